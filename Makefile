@@ -1,0 +1,37 @@
+# Every target sets itself up: a fresh clone needs only `make demo` or `make test`.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test lint fmt bench-gateway clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	# torch first, from the CPU wheel on this disk; otherwise a dependency would pull a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m inharness.demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench-gateway: $(STAMP)
+	$(BIN)/python bench/gateway.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
