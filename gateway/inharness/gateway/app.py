@@ -1,0 +1,163 @@
+"""The gateway's FastAPI application: wiring of store, engines, prompts, serving gate and routes."""
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from inharness.gateway import control
+from inharness.gateway.calls import CallService
+from inharness.gateway.engines import EnginePool
+from inharness.gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from inharness.gateway.metrics import GatewayMetrics
+from inharness.gateway.prompts import PromptBuilder
+from inharness.gateway.protocols import openai_chat
+from inharness.gateway.serving import ServingGate
+from inharness.gateway.settings import GatewaySettings
+from inharness.gateway.store import Store
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+log = logging.getLogger("inharness.gateway")
+
+
+def _load_tokenizer(model_dir: str) -> tuple[Any, int, list[int]]:
+    """Tokenizer, context length and stop token ids of the model the gateway serves."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if not tok.chat_template:
+        raise ValueError(
+            f"{model_dir}: the tokenizer has no chat template; the gateway renders prompts with it"
+        )
+    config = AutoConfig.from_pretrained(model_dir)
+    max_len = int(getattr(config, "max_position_embeddings", 0) or tok.model_max_length)
+    stops: set[int] = set()
+    if tok.eos_token_id is not None:
+        stops.add(int(tok.eos_token_id))
+    if (Path(model_dir) / "generation_config.json").exists():
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        stops.update([eos] if isinstance(eos, int) else list(eos or []))
+    return tok, max_len, sorted(stops)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tokenizer, model_len, stops = _load_tokenizer(settings.model)
+        store = await Store.open(settings.store, sqlite_synchronous=settings.sqlite_synchronous)
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.engine_timeout_seconds, connect=5.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        pool = EnginePool(client, retries=settings.engine_retries)
+        if settings.engines:
+            has_active = any(v.active for v in await store.list_versions())
+            await store.register_version(settings.model_version, settings.engines, activate=not has_active)
+        for v in await store.list_versions():
+            pool.set_version(v.version, v.engines)
+            if v.active:
+                pool.active = v.version
+        await asyncio.gather(*(pool.check(e) for e in pool.engines()))
+        metrics = GatewayMetrics()
+        gate = ServingGate(default_hold_seconds=settings.hold_seconds)
+        metrics.in_flight.set_function(lambda: gate.in_flight)
+        metrics.held.set_function(lambda: gate.held)
+        calls = CallService(
+            store=store,
+            pool=pool,
+            prompts=PromptBuilder(tokenizer, store),
+            tokenizer=tokenizer,
+            gate=gate,
+            metrics=metrics,
+            max_model_len=settings.max_model_len or model_len,
+            stop_token_ids=stops,
+        )
+        app.state.store, app.state.calls = store, calls
+        tasks = [
+            asyncio.create_task(pool.health_forever(), name="engine-health"),
+            asyncio.create_task(
+                _sweep_leases(store, metrics, settings.lease_sweep_seconds), name="lease-sweeper"
+            ),
+        ]
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await client.aclose()
+            await store.close()
+
+    app = FastAPI(
+        title="inharness gateway",
+        version="v1alpha1",
+        summary="OpenAI-compatible recording proxy and control API for RL in unmodified agent harnesses",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.admin_token = settings.admin_token
+    app.state.served_model_name = settings.served_model_name or Path(settings.model).name
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.include_router(openai_chat.router)
+    app.include_router(openai_chat.router, prefix="/t/{token}")
+    app.include_router(control.router)
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        m: GatewayMetrics = request.app.state.calls.metrics
+        m.queue_depth.set(await request.app.state.store.count_rollouts("queued"))
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _sweep_leases(store: Store, metrics: GatewayMetrics, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        try:
+            expired = await store.expire_leases()
+        except Exception:
+            log.exception("lease sweep failed; retrying")
+            continue
+        if expired:
+            metrics.leases_expired.inc(expired)
+
+
+def serve(settings: GatewaySettings) -> None:
+    import uvicorn
+    import uvloop
+
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+    )
+    server = uvicorn.Server(config)
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn exposes no event)
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"gateway ready on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+        await task
+
+    uvloop.run(run())

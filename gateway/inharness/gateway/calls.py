@@ -1,0 +1,308 @@
+"""One harness call, whatever protocol it arrived in: admit, tokenise, generate, detokenise, record.
+
+Protocol adapters build a `Conversation` and `Sampling`, open `CallService.call(...)`, read the
+engine's tokens through it, and hand back the reply they rendered; the call is recorded (durably)
+before the adapter answers the harness.
+"""
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from inharness.gateway.conversation import Conversation, Message, extend_digest
+from inharness.gateway.engines import Choice, EnginePool, EngineRejected, NoEngineAvailable, Served
+from inharness.gateway.errors import APIError
+from inharness.gateway.metrics import GatewayMetrics
+from inharness.gateway.prompts import BuiltPrompt, PromptBuilder
+from inharness.gateway.serving import ServingGate
+from inharness.gateway.store import AttemptAuth, CallRecord, ParentCall, Store
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    max_tokens: int | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+
+
+class TextDecoder:
+    """Incremental detokenisation with stop strings. Holds back text that may still change (an
+    incomplete UTF-8 sequence, a possible start of a stop string); both streaming and plain
+    answers use it, so they agree."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self._tok = tokenizer
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._ids: list[int] = []
+        self._sent = 0
+        self.stopped = False
+
+    def feed(self, ids: list[int]) -> str:
+        if self.stopped:
+            return ""
+        self._ids.extend(ids)
+        text = self._tok.decode(self._ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return self._take(text[:cut], len(text[:cut]))
+        safe = len(text) - self._hold
+        while safe > self._sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        return self._take(text, safe)
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        text = self._tok.decode(self._ids, skip_special_tokens=True)
+        return self._take(text, len(text))
+
+    def _take(self, text: str, upto: int) -> str:
+        if upto <= self._sent:
+            return ""
+        out = text[self._sent : upto]
+        self._sent = upto
+        return out
+
+
+@dataclass(slots=True)
+class Output:
+    """One choice as generated: what the engine returned, and when its first token came."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"
+    stopped_by_string: bool = False
+
+
+@dataclass(slots=True)
+class CallContext:
+    service: "CallService"
+    auth: AttemptAuth
+    conv: Conversation
+    chain: list[str]
+    prompt: BuiltPrompt
+    sampling: Sampling
+    max_tokens: int
+    version: int
+    protocol: str
+    requested_model: str
+    request_body: dict[str, Any]
+    request_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
+    started_at: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    served: Served | None = None
+
+    def engine_body(self) -> dict[str, Any]:
+        s = self.sampling
+        body: dict[str, Any] = {
+            "prompt": self.prompt.ids,
+            "max_tokens": self.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "n": s.n,
+            "stop_token_ids": self.service.stop_token_ids,
+        }
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.stop:
+            body["stop"] = list(s.stop)
+        return body
+
+    async def complete(self) -> list[Output]:
+        try:
+            self.served, choices = await self.service.pool.complete(
+                self.auth.id, self.version, self.engine_body()
+            )
+        except (NoEngineAvailable, EngineRejected) as exc:
+            raise self.service.engine_error(exc) from exc
+        return [_output(i, c) for i, c in enumerate(choices)]
+
+    async def open_stream(self) -> AsyncIterator[tuple[int, list[int], list[float], str | None]]:
+        """Connect to an engine (errors surface here, before any byte reaches the harness), then
+        return the chunks: (choice index, new token ids, their logprobs, finish reason)."""
+        try:
+            self.served, chunks = await self.service.pool.stream(
+                self.auth.id, self.version, self.engine_body()
+            )
+        except (NoEngineAvailable, EngineRejected) as exc:
+            raise self.service.engine_error(exc) from exc
+        return self._timed(chunks)
+
+    async def _timed(
+        self, chunks: AsyncIterator[tuple[int, list[int], list[float], str | None]]
+    ) -> AsyncIterator[tuple[int, list[int], list[float], str | None]]:
+        try:
+            async for item in chunks:
+                if self.first_token_at is None and item[1]:
+                    self.first_token_at = time.time()
+                yield item
+        except NoEngineAvailable as exc:
+            raise self.service.engine_error(exc) from exc
+
+    async def record(
+        self, outputs: list[Output], replies: list[Message], response_body: dict[str, Any]
+    ) -> None:
+        """Durably record every choice; only then may the adapter answer the harness."""
+        svc = self.service
+        now = time.time()
+        served = self.served or Served(self.version, "")
+        records = [
+            CallRecord(
+                attempt_id=self.auth.id,
+                rollout_id=self.auth.rollout_id,
+                request_id=self.request_id,
+                choice_index=o.index,
+                protocol=self.protocol,
+                requested_model=self.requested_model,
+                model_version=served.version,
+                engine=served.engine,
+                prompt_ids=self.prompt.ids,
+                response_ids=o.token_ids,
+                response_logprobs=o.logprobs,
+                finish_reason=o.finish_reason,
+                parent_call_id=self.prompt.parent_call_id,
+                prefix_reused=self.prompt.prefix_reused,
+                prefix_mismatch=self.prompt.mismatch,
+                request_digest=self.chain[-1],
+                reply_digest=extend_digest(self.chain[-1], reply),
+                started_at=self.started_at,
+                first_token_at=self.first_token_at,
+                finished_at=now,
+                request_body=self.request_body,
+                response_body=response_body,
+            )
+            for o, reply in zip(outputs, replies, strict=True)
+        ]
+        await svc.store.record_calls(records)
+        for rec, o in zip(records, outputs, strict=True):
+            assert rec.id is not None
+            svc.prompts.remember(
+                self.auth.id,
+                rec.id,
+                rec.request_digest,
+                rec.reply_digest,
+                ParentCall(rec.id, list(self.prompt.ids), o.token_ids, o.finish_reason),
+            )
+        m = svc.metrics
+        m.tokens.labels("prompt").inc(len(self.prompt.ids))
+        m.tokens.labels("completion").inc(sum(len(o.token_ids) for o in outputs))
+        if self.prompt.prefix_reused:
+            m.prefix_reused.inc()
+        if self.prompt.mismatch:
+            m.prefix_mismatch.labels(self.prompt.mismatch).inc()
+
+
+def _output(index: int, c: Choice) -> Output:
+    return Output(index, c.token_ids, c.logprobs, c.finish_reason or "stop")
+
+
+class CallService:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        pool: EnginePool,
+        prompts: PromptBuilder,
+        tokenizer: Any,
+        gate: ServingGate,
+        metrics: GatewayMetrics,
+        max_model_len: int,
+        stop_token_ids: list[int],
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.gate = gate
+        self.metrics = metrics
+        self.max_model_len = max_model_len
+        self.stop_token_ids = stop_token_ids
+        self._auth: dict[str, AttemptAuth] = {}
+
+    async def authenticate(self, token: str | None) -> AttemptAuth:
+        if not token:
+            raise APIError(
+                401,
+                "missing API key: send the attempt's key as 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+        cached = self._auth.get(token)
+        if cached is not None and cached.lease_expires_at > time.time():
+            return cached
+        auth = await self.store.attempt_by_token(token)
+        if auth is None:
+            raise APIError(
+                401, "unknown API key: it belongs to no attempt of this gateway", code="invalid_api_key"
+            )
+        if auth.status != "running":
+            self._auth.pop(token, None)
+            raise APIError(
+                403,
+                f"attempt {auth.id} is {auth.status}; its key no longer serves calls",
+                code="attempt_finished",
+            )
+        if len(self._auth) > 65_536:
+            self._auth.clear()
+        self._auth[token] = auth
+        return auth
+
+    def forget_attempt(self, attempt_id: str) -> None:
+        """An attempt ended: its key stops working here at once, and its prompt cache goes."""
+        for token in [t for t, a in self._auth.items() if a.id == attempt_id]:
+            del self._auth[token]
+        self.prompts.forget(attempt_id)
+
+    @asynccontextmanager
+    async def call(
+        self,
+        auth: AttemptAuth,
+        conv: Conversation,
+        sampling: Sampling,
+        *,
+        protocol: str,
+        requested_model: str,
+        request_body: dict[str, Any],
+    ) -> AsyncIterator[CallContext]:
+        async with self.gate.admit():
+            if self.pool.active is None:
+                raise APIError(503, "no model version is active on this gateway", code="no_active_model")
+            chain = conv.digest_chain()
+            prompt = await self.prompts.build(auth.id, conv, chain)
+            room = self.max_model_len - len(prompt.ids)
+            if room < 1:
+                raise APIError(
+                    400,
+                    f"this model's maximum context length is {self.max_model_len} tokens; the messages take "
+                    f"{len(prompt.ids)} tokens and leave no room for an answer",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
+            max_tokens = min(sampling.max_tokens or room, room)
+            yield CallContext(
+                service=self,
+                auth=auth,
+                conv=conv,
+                chain=chain,
+                prompt=prompt,
+                sampling=sampling,
+                max_tokens=max_tokens,
+                version=self.pool.active,
+                protocol=protocol,
+                requested_model=requested_model,
+                request_body=request_body,
+            )
+
+    def engine_error(self, exc: NoEngineAvailable | EngineRejected) -> APIError:
+        self.metrics.engine_errors.inc()
+        if isinstance(exc, EngineRejected):
+            return APIError(502, f"the inference engine refused the request: {exc}", code="engine_rejected")
+        return APIError(503, str(exc), code="engine_unavailable")

@@ -1,0 +1,173 @@
+"""Control API for the trainer and the operator (admin token required): the rollout queue with
+leases, recorded calls and their export, model versions, and pause/resume of serving."""
+
+import secrets
+from collections.abc import AsyncIterator
+
+import orjson
+from fastapi import APIRouter, Depends, Query, Request
+from inharness.gateway import schema
+from inharness.gateway.calls import CallService
+from inharness.gateway.errors import APIError
+from inharness.gateway.store import Conflict, NotFound, Store
+from starlette.responses import Response, StreamingResponse
+
+
+def require_admin(request: Request) -> None:
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    expected: str = request.app.state.admin_token
+    if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip().encode(), expected.encode()):
+        raise APIError(
+            401, "the control API needs 'Authorization: Bearer <admin token>'", code="invalid_admin_token"
+        )
+
+
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(require_admin)])
+
+
+def _store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def _calls(request: Request) -> CallService:
+    return request.app.state.calls
+
+
+def _json(model: object, status: int = 200) -> Response:
+    data = model.model_dump(mode="json") if hasattr(model, "model_dump") else model
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+@router.post("/rollouts", status_code=201)
+async def create_rollouts(request: Request, body: schema.CreateRollouts) -> Response:
+    store = _store(request)
+    ids = await store.create_rollouts(body, default_max_attempts=request.app.state.settings.max_attempts)
+    return _json(schema.CreateRolloutsResponse(rollouts=await store.get_rollouts(ids)), 201)
+
+
+@router.get("/rollouts/{rollout_id}", response_model=schema.RolloutOut)
+async def get_rollout(request: Request, rollout_id: str) -> Response:
+    try:
+        return _json(await _store(request).get_rollout(rollout_id))
+    except NotFound as exc:
+        raise APIError(404, str(exc)) from None
+
+
+@router.post(
+    "/attempts/claim", response_model=schema.ClaimResponse, responses={204: {"description": "none queued"}}
+)
+async def claim(request: Request, body: schema.ClaimRequest) -> Response:
+    store = _store(request)
+    expired = await store.expire_leases()
+    if expired:
+        _calls(request).metrics.leases_expired.inc(expired)
+    attempt = await store.claim(body.pool, body.lease_seconds)
+    if attempt is None:
+        return Response(status_code=204)
+    return _json(schema.ClaimResponse(attempt=attempt))
+
+
+@router.post("/attempts/{attempt_id}/heartbeat", response_model=schema.AttemptOut)
+async def heartbeat(
+    request: Request, attempt_id: str, body: schema.HeartbeatRequest | None = None
+) -> Response:
+    try:
+        out = await _store(request).heartbeat(attempt_id, body.lease_seconds if body else None)
+    except NotFound as exc:
+        raise APIError(404, str(exc)) from None
+    except Conflict as exc:
+        raise APIError(409, str(exc), code="attempt_not_running") from None
+    return _json(out)
+
+
+@router.post("/attempts/{attempt_id}/complete")
+async def complete(request: Request, attempt_id: str, body: schema.CompleteRequest) -> Response:
+    try:
+        out, duplicate = await _store(request).complete(attempt_id, body)
+    except NotFound as exc:
+        raise APIError(404, str(exc)) from None
+    except Conflict as exc:
+        raise APIError(409, str(exc), code="stale_attempt") from None
+    _calls(request).forget_attempt(attempt_id)
+    return _json({"attempt": out.model_dump(mode="json"), "duplicate": duplicate})
+
+
+@router.get("/attempts/{attempt_id}/calls", response_model=schema.CallsResponse)
+async def list_calls(request: Request, attempt_id: str, bodies: bool = True) -> Response:
+    try:
+        return _json(schema.CallsResponse(calls=await _store(request).list_calls(attempt_id, bodies=bodies)))
+    except NotFound as exc:
+        raise APIError(404, str(exc)) from None
+
+
+@router.get("/export/rollouts", responses={200: {"content": {"application/x-ndjson": {}}}})
+async def export_rollouts(
+    request: Request,
+    after: int = Query(default=0, ge=0, description="cursor of the last rollout already read"),
+    limit: int = Query(default=1000, ge=1, le=100_000),
+    page: int = Query(default=100, ge=1, le=1000, description="rollouts read from the store at a time"),
+    bodies: bool = False,
+    status: schema.RolloutStatus | None = None,
+) -> StreamingResponse:
+    """Finished rollouts with their calls as JSONL, in the order they finished; each line's
+    `cursor` is where to resume. Streamed page by page, so memory stays bounded."""
+    store = _store(request)
+
+    async def lines() -> AsyncIterator[bytes]:
+        cursor, left = after, limit
+        while left > 0:
+            batch = await store.export(after=cursor, limit=min(page, left), bodies=bodies, status=status)
+            for item in batch:
+                yield orjson.dumps(item.model_dump(mode="json")) + b"\n"
+            if len(batch) < min(page, left):
+                return
+            cursor, left = batch[-1].cursor, left - len(batch)
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.get("/models/versions", response_model=schema.ModelVersionsResponse)
+async def list_versions(request: Request) -> Response:
+    versions = await _store(request).list_versions()
+    active = next((v.version for v in versions if v.active), None)
+    return _json(schema.ModelVersionsResponse(active=active, versions=versions))
+
+
+@router.post("/models/versions", response_model=schema.ModelVersionsResponse)
+async def register_version(request: Request, body: schema.RegisterVersion) -> Response:
+    store = _store(request)
+    await store.register_version(body.version, body.engines, activate=body.activate)
+    pool = _calls(request).pool
+    pool.set_version(body.version, body.engines)
+    for engine in pool.order("", body.version):
+        await pool.check(engine)
+    if body.activate:
+        pool.active = body.version
+    return await list_versions(request)
+
+
+@router.post("/models/active", response_model=schema.ModelVersionsResponse)
+async def activate_version(request: Request, body: schema.ActivateVersion) -> Response:
+    try:
+        await _store(request).activate_version(body.version)
+    except NotFound as exc:
+        raise APIError(404, str(exc)) from None
+    _calls(request).pool.active = body.version
+    return await list_versions(request)
+
+
+@router.get("/serving", response_model=schema.ServingState)
+async def serving_state(request: Request) -> Response:
+    return _json(_calls(request).gate.state())
+
+
+@router.post("/serving/pause", response_model=schema.ServingState)
+async def pause(request: Request, body: schema.PauseRequest | None = None) -> Response:
+    body = body or schema.PauseRequest()
+    state = await _calls(request).gate.pause(hold_seconds=body.hold_seconds, drain_seconds=body.drain_seconds)
+    return _json(state)
+
+
+@router.post("/serving/resume", response_model=schema.ServingState)
+async def resume(request: Request) -> Response:
+    return _json(_calls(request).gate.resume())

@@ -1,0 +1,89 @@
+"""The protocol-neutral conversation a call is asked with, and its digests.
+
+A digest chain over (tools, message 1, message 2, ...) identifies every prefix of a conversation.
+A recorded call stores the digest of its request and of its request plus its reply; a later turn
+whose messages extend that reply finds its parent call by digest and reuses its token ids exactly.
+Digests cover what the chat template renders (role, text, tool calls' names and arguments) and
+ignore what it does not (tool-call ids, SDK extras), so an SDK's echo of the reply still matches.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionCall:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: str
+    content: str
+    tool_calls: tuple[FunctionCall, ...] = ()
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template (Qwen / Hermes style) expects it."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.content,
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": _arguments_for_template(c.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+    def canonical(self) -> str:
+        calls = [[c.name, _canonical_json(c.arguments)] for c in self.tool_calls]
+        role = "system" if self.role == "developer" else self.role
+        return json.dumps([role, self.content, calls], ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    messages: tuple[Message, ...]
+    tools: tuple[dict[str, Any], ...] = field(default=())  # OpenAI-style tool definitions
+
+    def template_messages(self, upto: int | None = None) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages[:upto]]
+
+    def digest_chain(self) -> list[str]:
+        """chain[k] identifies (tools, messages[:k]); len(chain) == len(messages) + 1."""
+        chain = [_digest("tools", json.dumps(self.tools, sort_keys=True, ensure_ascii=False))]
+        for m in self.messages:
+            chain.append(_digest(chain[-1], m.canonical()))
+        return chain
+
+
+def extend_digest(chain_tip: str, reply: Message) -> str:
+    """The digest of a conversation after `reply` was appended to the one ending at `chain_tip`."""
+    return _digest(chain_tip, reply.canonical())
+
+
+def _digest(prev: str, item: str) -> str:
+    return hashlib.blake2b(f"{prev}\x00{item}".encode(), digest_size=16).hexdigest()
+
+
+def _canonical_json(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    except ValueError:
+        return text
+
+
+def _arguments_for_template(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

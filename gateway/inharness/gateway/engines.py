@@ -1,0 +1,229 @@
+"""Inference engines behind the gateway, grouped by model version.
+
+Engines speak vLLM's OpenAI-compatible `/v1/completions` with token ids in and out, so the built-in
+CPU engine and a real vLLM server are interchangeable. An attempt's calls go to the same engine
+(rendezvous hashing on the attempt id keeps its prefix cache warm, and moves only the attempts of
+an engine that is lost); unhealthy engines are skipped; transient failures are retried with
+backoff, on the next engine in the attempt's order.
+"""
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class NoEngineAvailable(Exception):
+    """No engine of the active version could answer; the message says what was tried."""
+
+
+class EngineRejected(Exception):
+    """An engine refused the request itself (a 4xx that retrying elsewhere will not cure)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True)
+class Engine:
+    url: str
+    healthy: bool = True
+    model: str | None = None  # the name the engine serves; vLLM insists on it
+    max_model_len: int | None = None
+    checked_at: float = 0.0
+
+
+@dataclass(slots=True)
+class Served:
+    """Where a call was served: the version and engine actually used."""
+
+    version: int
+    engine: str
+
+
+@dataclass(slots=True)
+class Choice:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class EnginePool:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        *,
+        retries: int = 3,
+        backoff_seconds: float = 0.05,
+        health_interval: float = 5.0,
+    ) -> None:
+        self._client = client
+        self._retries = retries
+        self._backoff = backoff_seconds
+        self._health_interval = health_interval
+        self._engines: dict[str, Engine] = {}
+        self._versions: dict[int, list[str]] = {}
+        self.active: int | None = None
+
+    def set_version(self, version: int, urls: list[str]) -> None:
+        self._versions[version] = [u.rstrip("/") for u in urls]
+        for u in self._versions[version]:
+            self._engines.setdefault(u, Engine(u))
+
+    def order(self, key: str, version: int) -> list[Engine]:
+        """The engines of `version` in this key's preference order, healthy ones first."""
+        urls = self._versions.get(version, [])
+        ranked = sorted(urls, key=lambda u: hashlib.blake2b(f"{key}|{u}".encode(), digest_size=8).digest())
+        engines = [self._engines[u] for u in ranked]
+        return [e for e in engines if e.healthy] + [e for e in engines if not e.healthy]
+
+    def engines(self) -> list[Engine]:
+        return list(self._engines.values())
+
+    async def check(self, engine: Engine) -> None:
+        try:
+            r = await self._client.get(f"{engine.url}/health", timeout=5.0)
+            engine.healthy = r.status_code == 200
+            if engine.healthy and engine.model is None:
+                models = (await self._client.get(f"{engine.url}/v1/models", timeout=5.0)).json()
+                first = models["data"][0]
+                engine.model = first["id"]
+                engine.max_model_len = first.get("max_model_len")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+            engine.healthy = False
+        engine.checked_at = time.time()
+
+    async def health_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self.check(e) for e in self.engines()))
+            await asyncio.sleep(self._health_interval)
+
+    def _body(self, engine: Engine, body: dict[str, Any], *, stream: bool) -> bytes:
+        out = dict(body, model=engine.model or "default", stream=stream, return_token_ids=True, logprobs=0)
+        if stream:
+            out["stream_options"] = {"include_usage": False}
+        return orjson.dumps(out)
+
+    async def complete(self, key: str, version: int, body: dict[str, Any]) -> tuple[Served, list[Choice]]:
+        """One non-streaming completion, retried across the key's engines."""
+        errors: list[str] = []
+        for attempt, engine in self._tries(key, version):
+            if attempt:
+                await asyncio.sleep(self._backoff * 2 ** (attempt - 1))
+            try:
+                r = await self._client.post(
+                    f"{engine.url}/v1/completions",
+                    content=self._body(engine, body, stream=False),
+                    headers={"content-type": "application/json"},
+                )
+            except httpx.HTTPError as exc:
+                engine.healthy = False
+                errors.append(f"{engine.url}: {type(exc).__name__}")
+                continue
+            if r.status_code in _RETRYABLE_STATUS:
+                errors.append(f"{engine.url}: HTTP {r.status_code}")
+                continue
+            if r.status_code != 200:
+                raise EngineRejected(r.status_code, _engine_message(r.content))
+            data = orjson.loads(r.content)
+            choices = [_choice(c) for c in sorted(data["choices"], key=lambda c: c["index"])]
+            return Served(version, engine.url), choices
+        raise NoEngineAvailable(_no_engine(version, errors))
+
+    async def stream(
+        self, key: str, version: int, body: dict[str, Any]
+    ) -> tuple[Served, AsyncIterator[tuple[int, list[int], list[float], str | None]]]:
+        """Open a streaming completion; yields (choice index, new ids, their logprobs, finish_reason).
+
+        Retries happen only before the first chunk: once tokens reached the harness, a broken
+        stream is an error the harness sees."""
+        errors: list[str] = []
+        for attempt, engine in self._tries(key, version):
+            if attempt:
+                await asyncio.sleep(self._backoff * 2 ** (attempt - 1))
+            req = self._client.build_request(
+                "POST",
+                f"{engine.url}/v1/completions",
+                content=self._body(engine, body, stream=True),
+                headers={"content-type": "application/json"},
+            )
+            try:
+                resp = await self._client.send(req, stream=True)
+            except httpx.HTTPError as exc:
+                engine.healthy = False
+                errors.append(f"{engine.url}: {type(exc).__name__}")
+                continue
+            if resp.status_code != 200:
+                content = await resp.aread()
+                await resp.aclose()
+                if resp.status_code in _RETRYABLE_STATUS:
+                    errors.append(f"{engine.url}: HTTP {resp.status_code}")
+                    continue
+                raise EngineRejected(resp.status_code, _engine_message(content))
+            return Served(version, engine.url), _sse_choices(resp)
+        raise NoEngineAvailable(_no_engine(version, errors))
+
+    def _tries(self, key: str, version: int) -> list[tuple[int, Engine]]:
+        order = self.order(key, version)
+        if not order:
+            raise NoEngineAvailable(f"model version {version} has no engines registered")
+        return [(i, order[i % len(order)]) for i in range(self._retries + 1)]
+
+
+async def _sse_choices(resp: httpx.Response) -> AsyncIterator[tuple[int, list[int], list[float], str | None]]:
+    try:
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                return
+            chunk = orjson.loads(payload)
+            if "error" in chunk:
+                raise NoEngineAvailable(f"engine {resp.url} failed mid-stream: {_engine_message(payload)}")
+            for c in chunk.get("choices", []):
+                lp = c.get("logprobs") or {}
+                yield (
+                    c["index"],
+                    list(c.get("token_ids") or []),
+                    list(lp.get("token_logprobs") or []),
+                    c.get("finish_reason"),
+                )
+    except httpx.HTTPError as exc:
+        raise NoEngineAvailable(f"engine {resp.url} broke off mid-stream: {type(exc).__name__}") from exc
+    finally:
+        await resp.aclose()
+
+
+def _choice(c: dict[str, Any]) -> Choice:
+    lp = c.get("logprobs") or {}
+    return Choice(
+        token_ids=list(c.get("token_ids") or []),
+        logprobs=[float(x) for x in lp.get("token_logprobs") or []],
+        finish_reason=c.get("finish_reason"),
+    )
+
+
+def _engine_message(content: bytes | str) -> str:
+    try:
+        data = orjson.loads(content)
+        err = data.get("error", data)
+        return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        return (content.decode(errors="replace") if isinstance(content, bytes) else content)[:500]
+
+
+def _no_engine(version: int, errors: list[str]) -> str:
+    tried = "; ".join(errors) or "none reachable"
+    return f"no inference engine of model version {version} could answer ({tried})"

@@ -1,0 +1,133 @@
+"""Prompt token ids for a call: token-exact continuation of the attempt's earlier calls.
+
+When a request's messages extend an earlier call of the same attempt (its messages plus its reply),
+the prompt is that call's prompt ids + its response ids + the ids of only what came after: the
+template's closing of the assistant turn and the new messages. Consecutive turns are then
+prefix-exact and merge into one training sample. Where that cannot hold the prompt is the plain
+tokenisation of the rendered conversation, and the call says why (`mismatch`).
+"""
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+from inharness.gateway.conversation import Conversation
+from inharness.gateway.store import ParentCall, Store
+
+# Reasons a turn could not continue an earlier call token-exactly.
+HISTORY_DIVERGED = "history_diverged"  # the messages extend no earlier call of this attempt
+TEMPLATE_NOT_PREFIX = "template_not_prefix"  # the chat template re-renders the history differently
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltPrompt:
+    ids: list[int]
+    request_digest: str
+    parent_call_id: int | None
+    prefix_reused: bool
+    mismatch: str | None
+
+
+@dataclass(slots=True)
+class _Known:
+    """What the builder remembers of an attempt's calls (ids only for the latest few)."""
+
+    replies: dict[str, int]  # reply digest -> call id
+    requests: dict[str, int]  # request digest -> call id
+    recent: deque[tuple[int, ParentCall]]
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer: Any, store: Store, *, max_attempts_cached: int = 4096) -> None:
+        self._tok = tokenizer
+        self._store = store
+        self._cache: OrderedDict[str, _Known] = OrderedDict()
+        self._max = max_attempts_cached
+        eos = tokenizer.eos_token
+        self._eos_text: str = eos if isinstance(eos, str) else ""
+
+    def render(self, conv: Conversation, upto: int | None = None, *, generation_prompt: bool) -> str:
+        return self._tok.apply_chat_template(
+            conv.template_messages(upto),
+            tools=list(conv.tools) or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    async def build(self, attempt_id: str, conv: Conversation, chain: list[str]) -> BuiltPrompt:
+        known = await self._known(attempt_id)
+        request_digest = chain[-1]
+        n = len(conv.messages)
+        full = self.render(conv, generation_prompt=True)
+
+        # Longest earlier conversation that this one extends by at least one new message.
+        for j in range(n - 1, 0, -1):
+            if conv.messages[j - 1].role != "assistant" or chain[j] not in known.replies:
+                continue
+            parent = await self._parent(attempt_id, known, known.replies[chain[j]], chain[j])
+            if parent is None:
+                break
+            delta = self._delta_text(conv, j, full, parent)
+            if delta is None:
+                return BuiltPrompt(self.encode(full), request_digest, parent.id, False, TEMPLATE_NOT_PREFIX)
+            ids = parent.prompt_ids + parent.response_ids + self.encode(delta)
+            return BuiltPrompt(ids, request_digest, parent.id, True, None)
+
+        if request_digest in known.requests:  # the same conversation asked again: the same prompt
+            same = await self._store.find_call_by_request(attempt_id, request_digest)
+            if same is not None:
+                return BuiltPrompt(same, request_digest, None, False, None)
+        mismatch = HISTORY_DIVERGED if known.replies else None
+        return BuiltPrompt(self.encode(full), request_digest, None, False, mismatch)
+
+    def remember(
+        self, attempt_id: str, call_id: int, request_digest: str, reply_digest: str, parent: ParentCall
+    ) -> None:
+        known = self._cache.get(attempt_id)
+        if known is None:
+            return
+        known.replies[reply_digest] = call_id
+        known.requests.setdefault(request_digest, call_id)
+        known.recent.append((call_id, parent))
+
+    def forget(self, attempt_id: str) -> None:
+        self._cache.pop(attempt_id, None)
+
+    def _delta_text(self, conv: Conversation, j: int, full: str, parent: ParentCall) -> str | None:
+        """Text after the parent's response: the rest of its assistant turn, then the new messages."""
+        history = self.render(conv, j, generation_prompt=False)
+        before_reply = self.render(conv, j - 1, generation_prompt=True)
+        if not full.startswith(history) or not history.startswith(before_reply):
+            return None
+        turn = history[len(before_reply) :]  # how the template renders the assistant turn
+        last = parent.response_ids[-1:] if parent.finish_reason != "length" else []
+        stop_text = self._tok.decode(last, skip_special_tokens=False) if last else ""
+        if stop_text and stop_text in turn:
+            closing = turn[turn.rfind(stop_text) + len(stop_text) :]
+        elif self._eos_text and self._eos_text in turn:  # cut short: close the turn as the template does
+            closing = turn[turn.rfind(self._eos_text) :]
+        else:
+            closing = ""
+        return closing + full[len(history) :]
+
+    async def _known(self, attempt_id: str) -> _Known:
+        known = self._cache.get(attempt_id)
+        if known is not None:
+            self._cache.move_to_end(attempt_id)
+            return known
+        replies, requests = await self._store.call_digests(attempt_id)
+        known = _Known(replies=replies, requests=requests, recent=deque(maxlen=4))
+        self._cache[attempt_id] = known
+        while len(self._cache) > self._max:
+            self._cache.popitem(last=False)
+        return known
+
+    async def _parent(self, attempt_id: str, known: _Known, call_id: int, digest: str) -> ParentCall | None:
+        for cid, parent in known.recent:
+            if cid == call_id:
+                return parent
+        found = await self._store.find_call_by_reply(attempt_id, [digest])
+        return None if found is None else found[0]

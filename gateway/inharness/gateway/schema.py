@@ -1,0 +1,163 @@
+"""Wire schema of the control API: rollouts, attempts, calls, model versions, serving state.
+
+The gateway owns this protocol; the trainer and the operator import these models through
+`inharness.gateway.client` rather than redefining them.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RolloutStatus = Literal["queued", "running", "succeeded", "failed"]
+AttemptStatus = Literal["running", "succeeded", "failed"]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateRollouts(_Wire):
+    tasks: list[Any] = Field(min_length=1, max_length=100_000)
+    group_size: int = Field(default=1, ge=1, le=1024)
+    labels: dict[str, str] = Field(default_factory=dict)
+    pool: str = Field(default="default", min_length=1, max_length=253)
+    max_attempts: int | None = Field(default=None, ge=1, le=100, description="None: the gateway's default")
+
+
+class ClaimRequest(_Wire):
+    pool: str = Field(default="default", min_length=1, max_length=253)
+    lease_seconds: float = Field(default=600.0, gt=0, le=86_400)
+
+
+class HeartbeatRequest(_Wire):
+    lease_seconds: float | None = Field(default=None, gt=0, le=86_400, description="None: the claimed lease")
+
+
+class CompleteRequest(_Wire):
+    status: Literal["succeeded", "failed"]
+    reward: float | None = None
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+class AttemptOut(BaseModel):
+    id: str
+    rollout_id: str
+    seq: int
+    status: AttemptStatus
+    pool: str
+    claimed_at: float
+    lease_expires_at: float
+    finished_at: float | None = None
+    reward: float | None = None
+    failure_reason: str | None = None
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+class ClaimedAttempt(BaseModel):
+    """What a rollout runner needs to start one harness run; `token` is shown only here."""
+
+    id: str
+    rollout_id: str
+    group_id: str
+    seq: int
+    task: Any
+    token: str
+    lease_expires_at: float
+
+
+class ClaimResponse(BaseModel):
+    attempt: ClaimedAttempt
+
+
+class RolloutOut(BaseModel):
+    id: str
+    group_id: str
+    pool: str
+    task: Any
+    labels: dict[str, str]
+    status: RolloutStatus
+    reward: float | None = None
+    max_attempts: int
+    created_at: float
+    finished_at: float | None = None
+    attempts: list[AttemptOut] = Field(default_factory=list)
+
+
+class CreateRolloutsResponse(BaseModel):
+    rollouts: list[RolloutOut]
+
+
+class CallOut(BaseModel):
+    """One recorded model call (one choice of one request): the unit the trainer learns from."""
+
+    id: int
+    attempt_id: str
+    rollout_id: str
+    request_id: str
+    choice_index: int
+    protocol: str
+    requested_model: str
+    model_version: int
+    engine: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str
+    parent_call_id: int | None = Field(description="the call whose prompt+response this prompt extends")
+    prefix_reused: bool
+    prefix_mismatch: str | None = Field(
+        description="why an earlier call of the attempt could not be extended"
+    )
+    started_at: float
+    first_token_at: float | None
+    finished_at: float
+    request: dict[str, Any] | None = None
+    response: dict[str, Any] | None = None
+
+
+class CallsResponse(BaseModel):
+    calls: list[CallOut]
+
+
+class ExportedRollout(BaseModel):
+    """One line of the export stream; `cursor` resumes the export after this rollout."""
+
+    cursor: int
+    rollout: RolloutOut
+    calls: list[CallOut] = Field(description="calls of the rollout's final attempt, in order")
+
+
+class RegisterVersion(_Wire):
+    version: int = Field(ge=0)
+    engines: list[str] = Field(min_length=1)
+    activate: bool = False
+
+
+class ActivateVersion(_Wire):
+    version: int = Field(ge=0)
+
+
+class ModelVersionOut(BaseModel):
+    version: int
+    engines: list[str]
+    active: bool
+    created_at: float
+
+
+class ModelVersionsResponse(BaseModel):
+    active: int | None
+    versions: list[ModelVersionOut]
+
+
+class ServingState(BaseModel):
+    paused: bool
+    in_flight: int = Field(description="harness calls admitted and not yet answered")
+    held: int = Field(description="harness calls waiting for serving to resume")
+    resumes_at: float | None = Field(description="when the hold timeout resumes serving by itself")
+
+
+class PauseRequest(_Wire):
+    hold_seconds: float | None = Field(default=None, gt=0, le=3600, description="None: the gateway's default")
+    drain_seconds: float = Field(
+        default=0.0, ge=0, le=3600, description="wait up to this long for in-flight calls to finish"
+    )

@@ -1,0 +1,627 @@
+"""The gateway's durable store: rollout queue with leases, attempts, recorded calls, model versions.
+
+SQLAlchemy 2 async Core over SQLite (embedded default, WAL) and kept portable for PostgreSQL.
+Recorded calls go through a group-commit writer: concurrent calls share one transaction, and each
+caller is released only after the commit that holds its record, so an answered call is durable.
+"""
+
+import asyncio
+import hashlib
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from inharness.gateway import schema
+from inharness.gateway.codec import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
+from inharness.gateway.store.tables import attempts, calls, metadata, model_versions, rollouts
+from sqlalchemy import event, func, insert, select, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+SqliteSync = Literal["off", "normal", "full"]
+
+
+class StoreError(Exception):
+    """Base of the store's refusals; the message is shown to the API client."""
+
+
+class NotFound(StoreError):
+    pass
+
+
+class Conflict(StoreError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptAuth:
+    """What the harness-facing API needs to know about the attempt behind an API key."""
+
+    id: str
+    rollout_id: str
+    status: str  # running | succeeded | failed | expired
+    lease_expires_at: float
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """The internal record of one model call choice, whatever protocol the harness spoke."""
+
+    attempt_id: str
+    rollout_id: str
+    request_id: str
+    choice_index: int
+    protocol: str
+    requested_model: str
+    model_version: int
+    engine: str
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    response_logprobs: Sequence[float]
+    finish_reason: str
+    parent_call_id: int | None
+    prefix_reused: bool
+    prefix_mismatch: str | None
+    request_digest: str
+    reply_digest: str
+    started_at: float
+    first_token_at: float | None
+    finished_at: float
+    request_body: dict[str, Any]
+    response_body: dict[str, Any]
+    id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParentCall:
+    """An earlier call that a new turn can extend: its token ids and how it ended."""
+
+    id: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    finish_reason: str
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(8)}"
+
+
+class Store:
+    def __init__(self, engine: AsyncEngine, *, serialize_writes: bool) -> None:
+        self._engine = engine
+        # SQLite has one writer; serialising writers here avoids SQLITE_BUSY on lock upgrades.
+        self._write_lock = asyncio.Lock() if serialize_writes else None
+        self._call_queue: asyncio.Queue[tuple[list[CallRecord], asyncio.Future[None]]] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(cls, url: str, *, sqlite_synchronous: SqliteSync = "normal") -> "Store":
+        """Open (and create) the store. `sqlite_synchronous=normal` survives a killed process (WAL);
+        `full` also survives power loss at the cost of an fsync per commit."""
+        parsed = make_url(url)
+        if parsed.get_backend_name() == "sqlite":
+            if parsed.drivername == "sqlite":
+                parsed = parsed.set(drivername="sqlite+aiosqlite")
+            engine = create_async_engine(parsed, connect_args={"timeout": 30})
+
+            @event.listens_for(engine.sync_engine, "connect")
+            def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+                cur = dbapi_conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute(f"PRAGMA synchronous={sqlite_synchronous.upper()}")
+                cur.execute("PRAGMA foreign_keys=ON")
+                cur.execute("PRAGMA busy_timeout=30000")
+                cur.close()
+
+            store = cls(engine, serialize_writes=True)
+        else:
+            store = cls(create_async_engine(parsed, pool_size=10), serialize_writes=False)
+        async with store._writing() as conn:
+            await conn.run_sync(metadata.create_all)
+        store._writer = asyncio.create_task(store._write_calls_forever(), name="store-call-writer")
+        return store
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
+        await self._engine.dispose()
+
+    # -- rollouts and attempts -------------------------------------------------------------------
+
+    async def create_rollouts(self, req: schema.CreateRollouts, *, default_max_attempts: int) -> list[str]:
+        now = time.time()
+        max_attempts = req.max_attempts or default_max_attempts
+        rows: list[dict[str, Any]] = []
+        async with self._writing() as conn:
+            seq = (await conn.scalar(select(func.coalesce(func.max(rollouts.c.created_seq), 0)))) or 0
+            for task in req.tasks:
+                group_id = _new_id("grp")
+                for _ in range(req.group_size):
+                    seq += 1
+                    rows.append(
+                        {
+                            "id": _new_id("ro"),
+                            "group_id": group_id,
+                            "pool": req.pool,
+                            "task": task,
+                            "labels": req.labels,
+                            "status": "queued",
+                            "max_attempts": max_attempts,
+                            "attempts_started": 0,
+                            "created_seq": seq,
+                            "created_at": now,
+                        }
+                    )
+            await conn.execute(insert(rollouts), rows)
+        return [r["id"] for r in rows]
+
+    async def claim(self, pool: str, lease_seconds: float) -> schema.ClaimedAttempt | None:
+        """Start a new attempt on the oldest queued rollout of the pool, or None when none is queued.
+        Callers expire passed leases first (`expire_leases`) so that their rollouts are claimable."""
+        now = time.time()
+        async with self._writing() as conn:
+            row = (
+                await conn.execute(
+                    select(rollouts.c.id, rollouts.c.group_id, rollouts.c.task, rollouts.c.attempts_started)
+                    .where(rollouts.c.pool == pool, rollouts.c.status == "queued")
+                    .order_by(rollouts.c.created_seq)
+                    .limit(1)
+                    .with_for_update(skip_locked=True)
+                )
+            ).first()
+            if row is None:
+                return None
+            seq = row.attempts_started + 1
+            token = "ih-" + secrets.token_urlsafe(24)
+            attempt_id = _new_id("at")
+            await conn.execute(
+                update(rollouts).where(rollouts.c.id == row.id).values(status="running", attempts_started=seq)
+            )
+            await conn.execute(
+                insert(attempts).values(
+                    id=attempt_id,
+                    rollout_id=row.id,
+                    seq=seq,
+                    pool=pool,
+                    token_hash=hash_token(token),
+                    status="running",
+                    lease_seconds=lease_seconds,
+                    claimed_at=now,
+                    lease_expires_at=now + lease_seconds,
+                    info={},
+                )
+            )
+        return schema.ClaimedAttempt(
+            id=attempt_id,
+            rollout_id=row.id,
+            group_id=row.group_id,
+            seq=seq,
+            task=row.task,
+            token=token,
+            lease_expires_at=now + lease_seconds,
+        )
+
+    async def heartbeat(self, attempt_id: str, lease_seconds: float | None) -> schema.AttemptOut:
+        now = time.time()
+        async with self._writing() as conn:
+            row = await _attempt_row(conn, attempt_id)
+            if row.status != "running" or row.lease_expires_at < now:
+                raise Conflict(
+                    f"attempt {attempt_id} is {_attempt_state(row, now)}; its lease cannot be renewed"
+                )
+            seconds = lease_seconds or row.lease_seconds
+            await conn.execute(
+                update(attempts).where(attempts.c.id == attempt_id).values(lease_expires_at=now + seconds)
+            )
+            row = await _attempt_row(conn, attempt_id)
+        return _attempt_out(row)
+
+    async def complete(self, attempt_id: str, req: schema.CompleteRequest) -> tuple[schema.AttemptOut, bool]:
+        """Finish a running attempt. Returns (attempt, duplicate): repeating the same completion is
+        answered with the stored outcome and changes nothing; any other completion of a finished or
+        expired attempt is a Conflict."""
+        now = time.time()
+        async with self._writing() as conn:
+            row = await _attempt_row(conn, attempt_id)
+            if row.status != "running" or row.lease_expires_at < now:
+                same = row.status == req.status and row.reward == req.reward
+                if same and row.failure_reason != "lease expired":
+                    return _attempt_out(row), True
+                raise Conflict(f"attempt {attempt_id} is {_attempt_state(row, now)}; completion refused")
+            reason = None if req.status == "succeeded" else str(req.info.get("reason") or "failed by runner")
+            await conn.execute(
+                update(attempts)
+                .where(attempts.c.id == attempt_id)
+                .values(
+                    status=req.status,
+                    finished_at=now,
+                    reward=req.reward,
+                    info=req.info,
+                    failure_reason=reason if req.status == "failed" else None,
+                )
+            )
+            await _settle_rollout(conn, row.rollout_id, req.status, req.reward, now)
+            row = await _attempt_row(conn, attempt_id)
+        return _attempt_out(row), False
+
+    async def expire_leases(self, now: float | None = None) -> int:
+        """Fail every running attempt whose lease has passed and requeue its rollout (or fail it at
+        its attempt limit). Returns how many attempts expired."""
+        now = time.time() if now is None else now
+        async with self._writing() as conn:
+            expired = (
+                await conn.execute(
+                    select(attempts.c.id, attempts.c.rollout_id).where(
+                        attempts.c.status == "running", attempts.c.lease_expires_at < now
+                    )
+                )
+            ).all()
+            for row in expired:
+                await conn.execute(
+                    update(attempts)
+                    .where(attempts.c.id == row.id)
+                    .values(status="failed", finished_at=now, failure_reason="lease expired")
+                )
+                await _settle_rollout(conn, row.rollout_id, "failed", None, now)
+        return len(expired)
+
+    async def get_rollout(self, rollout_id: str) -> schema.RolloutOut:
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(select(rollouts).where(rollouts.c.id == rollout_id))).first()
+            if row is None:
+                raise NotFound(f"rollout {rollout_id} not found")
+            return await _rollout_out(conn, row)
+
+    async def get_rollouts(self, rollout_ids: Sequence[str]) -> list[schema.RolloutOut]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(select(rollouts).where(rollouts.c.id.in_(rollout_ids)))).all()
+            by_id = {r.id: r for r in rows}
+            return [await _rollout_out(conn, by_id[i]) for i in rollout_ids if i in by_id]
+
+    async def attempt_by_token(self, token: str) -> AttemptAuth | None:
+        async with self._engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(
+                        attempts.c.id, attempts.c.rollout_id, attempts.c.status, attempts.c.lease_expires_at
+                    ).where(attempts.c.token_hash == hash_token(token))
+                )
+            ).first()
+        if row is None:
+            return None
+        status = "expired" if row.status == "running" and row.lease_expires_at < time.time() else row.status
+        return AttemptAuth(row.id, row.rollout_id, status, row.lease_expires_at)
+
+    async def count_rollouts(self, status: str) -> int:
+        async with self._engine.connect() as conn:
+            return int(await conn.scalar(select(func.count()).where(rollouts.c.status == status)) or 0)
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    async def record_calls(self, records: list[CallRecord]) -> None:
+        """Durably record calls; returns after the commit that holds them. Sets each record's id."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._call_queue.put((records, done))
+        await done
+
+    async def _write_calls_forever(self) -> None:
+        while True:
+            batch = [await self._call_queue.get()]
+            while not self._call_queue.empty() and len(batch) < 256:
+                batch.append(self._call_queue.get_nowait())
+            try:
+                async with self._writing() as conn:
+                    for records, _ in batch:
+                        for rec in records:
+                            result = await conn.execute(insert(calls).values(_call_row(rec)))
+                            rec.id = result.inserted_primary_key[0]
+            except Exception as exc:  # every waiter learns its record was not stored
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def call_digests(self, attempt_id: str) -> tuple[dict[str, int], dict[str, int]]:
+        """(reply digest -> call id, request digest -> call id) of the attempt's calls, latest wins."""
+        async with self._engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    select(calls.c.id, calls.c.reply_digest, calls.c.request_digest)
+                    .where(calls.c.attempt_id == attempt_id)
+                    .order_by(calls.c.id)
+                )
+            ).all()
+        return {r.reply_digest: r.id for r in rows}, {r.request_digest: r.id for r in rows}
+
+    async def find_call_by_reply(
+        self, attempt_id: str, digests: Sequence[str]
+    ) -> tuple[ParentCall, str] | None:
+        """The most recent call of the attempt whose conversation-after-reply digest is one of
+        `digests`; the caller passes longer conversations first and gets the first that matches."""
+        if not digests:
+            return None
+        async with self._engine.connect() as conn:
+            rows = (
+                await conn.execute(
+                    select(
+                        calls.c.id,
+                        calls.c.prompt_ids,
+                        calls.c.response_ids,
+                        calls.c.finish_reason,
+                        calls.c.reply_digest,
+                    )
+                    .where(calls.c.attempt_id == attempt_id, calls.c.reply_digest.in_(list(digests)))
+                    .order_by(calls.c.id.desc())
+                )
+            ).all()
+        best: dict[str, Any] = {}
+        for r in rows:
+            best.setdefault(r.reply_digest, r)
+        for d in digests:
+            if d in best:
+                r = best[d]
+                return ParentCall(
+                    r.id, unpack_ids(r.prompt_ids), unpack_ids(r.response_ids), r.finish_reason
+                ), d
+        return None
+
+    async def find_call_by_request(self, attempt_id: str, digest: str) -> list[int] | None:
+        """Prompt ids of an earlier call of the attempt asked with exactly this conversation."""
+        async with self._engine.connect() as conn:
+            blob = await conn.scalar(
+                select(calls.c.prompt_ids)
+                .where(calls.c.attempt_id == attempt_id, calls.c.request_digest == digest)
+                .order_by(calls.c.id.desc())
+                .limit(1)
+            )
+        return None if blob is None else unpack_ids(blob)
+
+    async def list_calls(self, attempt_id: str, *, bodies: bool = True) -> list[schema.CallOut]:
+        async with self._engine.connect() as conn:
+            if (await conn.scalar(select(attempts.c.id).where(attempts.c.id == attempt_id))) is None:
+                raise NotFound(f"attempt {attempt_id} not found")
+            rows = (
+                await conn.execute(select(calls).where(calls.c.attempt_id == attempt_id).order_by(calls.c.id))
+            ).all()
+        return [_call_out(r, bodies=bodies) for r in rows]
+
+    async def export(
+        self, *, after: int, limit: int, bodies: bool, status: str | None = None
+    ) -> list[schema.ExportedRollout]:
+        """Finished rollouts in the order they finished, after cursor `after`, with the calls of
+        their final attempt. Resuming from the last cursor seen neither repeats nor skips one."""
+        query = (
+            select(rollouts)
+            .where(rollouts.c.finish_seq.is_not(None), rollouts.c.finish_seq > after)
+            .order_by(rollouts.c.finish_seq)
+            .limit(limit)
+        )
+        if status is not None:
+            query = query.where(rollouts.c.status == status)
+        out: list[schema.ExportedRollout] = []
+        async with self._engine.connect() as conn:
+            for row in (await conn.execute(query)).all():
+                ro = await _rollout_out(conn, row)
+                final = ro.attempts[-1].id if ro.attempts else None
+                call_rows = (
+                    (
+                        await conn.execute(
+                            select(calls).where(calls.c.attempt_id == final).order_by(calls.c.id)
+                        )
+                    ).all()
+                    if final
+                    else []
+                )
+                out.append(
+                    schema.ExportedRollout(
+                        cursor=row.finish_seq,
+                        rollout=ro,
+                        calls=[_call_out(c, bodies=bodies) for c in call_rows],
+                    )
+                )
+        return out
+
+    # -- model versions --------------------------------------------------------------------------
+
+    async def register_version(self, version: int, engines: list[str], *, activate: bool) -> None:
+        async with self._writing() as conn:
+            exists = await conn.scalar(
+                select(model_versions.c.version).where(model_versions.c.version == version)
+            )
+            if exists is None:
+                await conn.execute(
+                    insert(model_versions).values(
+                        version=version, engines=engines, active=False, created_at=time.time()
+                    )
+                )
+            else:
+                await conn.execute(
+                    update(model_versions).where(model_versions.c.version == version).values(engines=engines)
+                )
+            if activate:
+                await _activate(conn, version)
+
+    async def activate_version(self, version: int) -> None:
+        async with self._writing() as conn:
+            exists = await conn.scalar(
+                select(model_versions.c.version).where(model_versions.c.version == version)
+            )
+            if exists is None:
+                raise NotFound(f"model version {version} is not registered")
+            await _activate(conn, version)
+
+    async def list_versions(self) -> list[schema.ModelVersionOut]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(select(model_versions).order_by(model_versions.c.version))).all()
+        return [
+            schema.ModelVersionOut(
+                version=r.version, engines=r.engines, active=r.active, created_at=r.created_at
+            )
+            for r in rows
+        ]
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    def _writing(self) -> "_WriteTxn":
+        return _WriteTxn(self)
+
+
+class _WriteTxn:
+    """`async with store._writing() as conn`: one write transaction, serialised on SQLite."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._ctx: Any = None
+
+    async def __aenter__(self) -> AsyncConnection:
+        if self._store._write_lock is not None:
+            await self._store._write_lock.acquire()
+        try:
+            self._ctx = self._store._engine.begin()
+            return await self._ctx.__aenter__()
+        except BaseException:
+            if self._store._write_lock is not None:
+                self._store._write_lock.release()
+            raise
+
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            await self._ctx.__aexit__(*exc)
+        finally:
+            if self._store._write_lock is not None:
+                self._store._write_lock.release()
+
+
+async def _activate(conn: AsyncConnection, version: int) -> None:
+    await conn.execute(update(model_versions).values(active=model_versions.c.version == version))
+
+
+async def _attempt_row(conn: AsyncConnection, attempt_id: str) -> Any:
+    row = (await conn.execute(select(attempts).where(attempts.c.id == attempt_id))).first()
+    if row is None:
+        raise NotFound(f"attempt {attempt_id} not found")
+    return row
+
+
+def _attempt_state(row: Any, now: float) -> str:
+    if row.status == "running" and row.lease_expires_at < now:
+        return "expired (its lease passed)"
+    if row.failure_reason == "lease expired":
+        return "expired (its lease passed)"
+    return row.status
+
+
+async def _settle_rollout(
+    conn: AsyncConnection, rollout_id: str, status: str, reward: float | None, now: float
+) -> None:
+    """After an attempt ends: finish the rollout, or requeue it while attempts remain."""
+    ro = (await conn.execute(select(rollouts).where(rollouts.c.id == rollout_id))).first()
+    if ro is None or ro.status != "running":
+        return
+    if status == "failed" and ro.attempts_started < ro.max_attempts:
+        await conn.execute(update(rollouts).where(rollouts.c.id == rollout_id).values(status="queued"))
+        return
+    seq = (await conn.scalar(select(func.coalesce(func.max(rollouts.c.finish_seq), 0)))) or 0
+    await conn.execute(
+        update(rollouts)
+        .where(rollouts.c.id == rollout_id)
+        .values(status=status, reward=reward, finished_at=now, finish_seq=seq + 1)
+    )
+
+
+def _attempt_out(row: Any) -> schema.AttemptOut:
+    return schema.AttemptOut(
+        id=row.id,
+        rollout_id=row.rollout_id,
+        seq=row.seq,
+        status=row.status,
+        pool=row.pool,
+        claimed_at=row.claimed_at,
+        lease_expires_at=row.lease_expires_at,
+        finished_at=row.finished_at,
+        reward=row.reward,
+        failure_reason=row.failure_reason,
+        info=row.info or {},
+    )
+
+
+async def _rollout_out(conn: AsyncConnection, row: Any) -> schema.RolloutOut:
+    att = (
+        await conn.execute(select(attempts).where(attempts.c.rollout_id == row.id).order_by(attempts.c.seq))
+    ).all()
+    return schema.RolloutOut(
+        id=row.id,
+        group_id=row.group_id,
+        pool=row.pool,
+        task=row.task,
+        labels=row.labels,
+        status=row.status,
+        reward=row.reward,
+        max_attempts=row.max_attempts,
+        created_at=row.created_at,
+        finished_at=row.finished_at,
+        attempts=[_attempt_out(a) for a in att],
+    )
+
+
+def _call_row(rec: CallRecord) -> dict[str, Any]:
+    return {
+        "attempt_id": rec.attempt_id,
+        "rollout_id": rec.rollout_id,
+        "request_id": rec.request_id,
+        "choice_index": rec.choice_index,
+        "protocol": rec.protocol,
+        "requested_model": rec.requested_model,
+        "model_version": rec.model_version,
+        "engine": rec.engine,
+        "prompt_ids": pack_ids(rec.prompt_ids),
+        "response_ids": pack_ids(rec.response_ids),
+        "response_logprobs": pack_logprobs(rec.response_logprobs),
+        "finish_reason": rec.finish_reason,
+        "parent_call_id": rec.parent_call_id,
+        "prefix_reused": rec.prefix_reused,
+        "prefix_mismatch": rec.prefix_mismatch,
+        "request_digest": rec.request_digest,
+        "reply_digest": rec.reply_digest,
+        "started_at": rec.started_at,
+        "first_token_at": rec.first_token_at,
+        "finished_at": rec.finished_at,
+        "request_body": rec.request_body,
+        "response_body": rec.response_body,
+    }
+
+
+def _call_out(row: Any, *, bodies: bool) -> schema.CallOut:
+    return schema.CallOut(
+        id=row.id,
+        attempt_id=row.attempt_id,
+        rollout_id=row.rollout_id,
+        request_id=row.request_id,
+        choice_index=row.choice_index,
+        protocol=row.protocol,
+        requested_model=row.requested_model,
+        model_version=row.model_version,
+        engine=row.engine,
+        prompt_ids=unpack_ids(row.prompt_ids),
+        response_ids=unpack_ids(row.response_ids),
+        response_logprobs=unpack_logprobs(row.response_logprobs),
+        finish_reason=row.finish_reason,
+        parent_call_id=row.parent_call_id,
+        prefix_reused=row.prefix_reused,
+        prefix_mismatch=row.prefix_mismatch,
+        started_at=row.started_at,
+        first_token_at=row.first_token_at,
+        finished_at=row.finished_at,
+        request=row.request_body if bodies else None,
+        response=row.response_body if bodies else None,
+    )
