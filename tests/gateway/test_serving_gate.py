@@ -1,0 +1,54 @@
+"""The serving gate holds new calls while paused and lets running ones finish."""
+
+import asyncio
+
+from inharness.gateway.serving import ServingGate
+
+
+async def test_pause_holds_new_calls_until_resume() -> None:
+    gate = ServingGate(default_hold_seconds=60)
+    await gate.pause(hold_seconds=None, drain_seconds=0)
+    admitted = asyncio.Event()
+
+    async def call() -> None:
+        async with gate.admit():
+            admitted.set()
+
+    task = asyncio.create_task(call())
+    for _ in range(100):
+        if gate.held == 1:
+            break
+        await asyncio.sleep(0)
+    assert gate.state().held == 1 and not admitted.is_set()
+    gate.resume()
+    await asyncio.wait_for(task, 5)
+    assert admitted.is_set() and gate.state().paused is False
+
+
+async def test_pause_ends_by_itself_after_the_hold_timeout() -> None:
+    gate = ServingGate(default_hold_seconds=60)
+    await gate.pause(hold_seconds=0.05, drain_seconds=0)
+
+    async def call() -> None:
+        async with gate.admit():
+            pass
+
+    await asyncio.wait_for(call(), 5)
+    assert gate.state().paused is False
+
+
+async def test_pause_drains_in_flight_calls() -> None:
+    gate = ServingGate(default_hold_seconds=60)
+    release = asyncio.Event()
+
+    async def running() -> None:
+        async with gate.admit():
+            await release.wait()
+
+    task = asyncio.create_task(running())
+    while gate.in_flight == 0:
+        await asyncio.sleep(0)
+    asyncio.get_running_loop().call_soon(release.set)
+    state = await gate.pause(hold_seconds=None, drain_seconds=5)
+    await task
+    assert state.paused and state.in_flight == 0
