@@ -39,15 +39,15 @@ async def test_pause_ends_by_itself_after_the_hold_timeout() -> None:
 
 async def test_pause_drains_in_flight_calls() -> None:
     gate = ServingGate(default_hold_seconds=60)
-    release = asyncio.Event()
+    release, started = asyncio.Event(), asyncio.Event()
 
     async def running() -> None:
         async with gate.admit():
+            started.set()
             await release.wait()
 
     task = asyncio.create_task(running())
-    while gate.in_flight == 0:
-        await asyncio.sleep(0)
+    await started.wait()
     asyncio.get_running_loop().call_soon(release.set)
     state = await gate.pause(hold_seconds=None, drain_seconds=5)
     await task

@@ -11,6 +11,10 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
 from inharness.gateway import control
 from inharness.gateway.calls import CallService
 from inharness.gateway.engines import EnginePool
@@ -21,9 +25,6 @@ from inharness.gateway.protocols import openai_chat
 from inharness.gateway.serving import ServingGate
 from inharness.gateway.settings import GatewaySettings
 from inharness.gateway.store import Store
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
 
 log = logging.getLogger("inharness.gateway")
 

@@ -6,11 +6,12 @@ from collections.abc import AsyncIterator
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
+from starlette.responses import Response, StreamingResponse
+
 from inharness.gateway import schema
 from inharness.gateway.calls import CallService
 from inharness.gateway.errors import APIError
 from inharness.gateway.store import Conflict, NotFound, Store
-from starlette.responses import Response, StreamingResponse
 
 
 def require_admin(request: Request) -> None:

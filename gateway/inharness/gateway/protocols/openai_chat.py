@@ -11,12 +11,13 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+
 from inharness.gateway.calls import CallContext, CallService, Output, Sampling, TextDecoder
 from inharness.gateway.conversation import Conversation, FunctionCall, Message
 from inharness.gateway.errors import APIError, error_body
 from inharness.gateway.protocols.openai_models import ChatCompletionRequest
 from inharness.gateway.toolcalls import ContentDelta, Event, ToolCall, ToolCallParser, parse_all
-from starlette.responses import Response, StreamingResponse
 
 PROTOCOL = "openai.chat"
 router = APIRouter()

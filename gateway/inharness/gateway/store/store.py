@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from inharness.gateway import schema
-from inharness.gateway.codec import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
-from inharness.gateway.store.tables import attempts, calls, metadata, model_versions, rollouts
 from sqlalchemy import event, func, insert, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from inharness.gateway import schema
+from inharness.gateway.codec import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
+from inharness.gateway.store.tables import attempts, calls, metadata, model_versions, rollouts
 
 SqliteSync = Literal["off", "normal", "full"]
 
