@@ -19,13 +19,29 @@ async def store(tmp_path: Path) -> Store:
 def _record(attempt: schema.ClaimedAttempt, n: int) -> CallRecord:
     now = time.time()
     return CallRecord(
-        attempt_id=attempt.id, rollout_id=attempt.rollout_id, request_id=f"r{n}", choice_index=0,
-        protocol="openai.chat", requested_model="m", model_version=0, engine="e",
-        prompt_ids=[1, 2, n], response_ids=[7, n], response_logprobs=[-0.5, -1.0], finish_reason="stop",
-        parent_call_id=None, prefix_reused=False, prefix_mismatch=None, request_digest=f"q{n}",
-        reply_digest=f"a{n}", started_at=now, first_token_at=None, finished_at=now,
-        request_body={"n": n}, response_body={},
-    )  # fmt: skip
+        attempt_id=attempt.id,
+        rollout_id=attempt.rollout_id,
+        request_id=f"r{n}",
+        choice_index=0,
+        protocol="openai.chat",
+        requested_model="m",
+        model_version=0,
+        engine="e",
+        prompt_ids=[1, 2, n],
+        response_ids=[7, n],
+        response_logprobs=[-0.5, -1.0],
+        finish_reason="stop",
+        parent_call_id=None,
+        prefix_reused=False,
+        prefix_mismatch=None,
+        request_digest=f"q{n}",
+        reply_digest=f"a{n}",
+        started_at=now,
+        first_token_at=None,
+        finished_at=now,
+        request_body={"n": n},
+        response_body={},
+    )
 
 
 async def test_group_size_makes_rollouts_per_task_sharing_a_group(store: Store) -> None:

@@ -47,9 +47,10 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from inharness.gateway.app import serve
     from inharness.gateway.settings import GatewaySettings
-    from pydantic import ValidationError
 
     engines = args.engine or [e for e in (_env("INHARNESS_GATEWAY_ENGINES") or "").split(",") if e]
     token = args.admin_token

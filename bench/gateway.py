@@ -1,0 +1,301 @@
+"""The gateway's added latency and throughput, against the same engine called directly, in one run.
+
+A minimal fast engine (bench/fast_engine.py) answers at once, so the difference between the two
+paths is the proxy's own cost: admission, chat-template rendering and tokenisation, routing, the
+engine hop, detokenisation and tool-call parsing, and the durable record (SQLite WAL commit).
+Each client worker runs multi-turn conversations on its own attempt key, as harnesses do.
+
+Run: make bench-gateway   (or: .venv/bin/python bench/gateway.py [--requests N])
+"""
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from inharness.procs import ServerProcess, free_port
+
+ADMIN = "bench-admin-token"
+SYSTEM = "You are a careful assistant. Use the calculator tool for arithmetic."
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+TURNS = 4  # turns per conversation before a worker starts a new one
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def direct_worker(
+    client: httpx.AsyncClient, url: str, prompt: list[int], n: int, out: list[float]
+) -> None:
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    for _ in range(n):
+        t = time.perf_counter()
+        r = await client.post(f"{url}/v1/completions", json=body)
+        out.append(time.perf_counter() - t)
+        r.raise_for_status()
+
+
+async def gateway_worker(
+    client: httpx.AsyncClient, url: str, token: str, n: int, w: int, out: list[float]
+) -> None:
+    headers = {"Authorization": f"Bearer {token}"}
+    messages: list[dict[str, Any]] = []
+    for i in range(n):
+        if i % TURNS == 0:
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"What is {w}+{i}?"},
+            ]
+        body = {"model": "any-name", "messages": messages, "tools": TOOLS, "max_tokens": 16, "temperature": 0}
+        t = time.perf_counter()
+        r = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+        out.append(time.perf_counter() - t)
+        r.raise_for_status()
+        messages = [*messages, r.json()["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+
+
+async def measure(mode: str, concurrency: int, total: int, ctx: dict[str, Any]) -> tuple[list[float], float]:
+    """Latencies of `total` requests from `concurrency` workers, and the wall time they took."""
+    per = max(1, total // concurrency)
+    lat: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+        if mode == "direct":
+            jobs = [direct_worker(client, ctx["engine"], ctx["prompt"], per, lat) for _ in range(concurrency)]
+        else:
+            jobs = [
+                gateway_worker(client, ctx["gateway"], ctx["tokens"][w], per, w, lat)
+                for w in range(concurrency)
+            ]
+        t = time.perf_counter()
+        await asyncio.gather(*jobs)
+        return lat, time.perf_counter() - t
+
+
+async def breakdown(
+    model_dir: Path, prompt_text_conv: list[dict[str, Any]], db: Path
+) -> list[tuple[str, float]]:
+    """Where a gateway request's time goes: the gateway's own steps, timed in this process."""
+    from transformers import AutoTokenizer
+
+    from inharness.gateway.conversation import Conversation, Message
+    from inharness.gateway.store import CallRecord, Store
+    from inharness.gateway.toolcalls import parse_all
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    conv = Conversation(tuple(Message(m["role"], m["content"]) for m in prompt_text_conv), tuple(TOOLS))
+    msgs = conv.template_messages()
+
+    def timeit(fn: Any, n: int = 300) -> float:
+        fn()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n
+
+    reply = tok.encode("The answer is 5.", add_special_tokens=False)
+    rows = [
+        ("digest chain", timeit(conv.digest_chain)),
+        (
+            "render chat template",
+            timeit(
+                lambda: tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+            ),
+        ),
+        (
+            "tokenize prompt",
+            timeit(
+                lambda: tok.encode(
+                    tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False), add_special_tokens=False
+                )
+            ),
+        ),
+        ("detokenize + parse reply", timeit(lambda: parse_all(tok.decode(reply, skip_special_tokens=True)))),
+    ]
+    store = await Store.open(f"sqlite:///{db}")
+    try:
+        from inharness.gateway import schema
+
+        await store.create_rollouts(schema.CreateRollouts(tasks=[1]), default_max_attempts=1)
+        att = await store.claim("default", 600)
+        assert att is not None
+        ids = tok.encode(tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False), add_special_tokens=False)
+
+        def rec() -> CallRecord:
+            now = time.time()
+            return CallRecord(
+                att.id,
+                att.rollout_id,
+                "r",
+                0,
+                "openai.chat",
+                "m",
+                0,
+                "e",
+                ids,
+                reply,
+                [-0.5] * len(reply),
+                "stop",
+                None,
+                False,
+                None,
+                "q",
+                "a",
+                now,
+                None,
+                now,
+                {},
+                {},
+            )
+
+        n = 200
+        t = time.perf_counter()
+        for _ in range(n):
+            await store.record_calls([rec()])
+        rows.append(("durable record (1 at a time)", (time.perf_counter() - t) / n))
+        t = time.perf_counter()
+        await asyncio.gather(*(store.record_calls([rec()]) for _ in range(n)))
+        rows.append(
+            (f"durable record ({n} concurrent, group commit), per call", (time.perf_counter() - t) / n)
+        )
+        t = time.perf_counter()
+        for _ in range(n):
+            await store.attempt_by_token(att.token)
+        rows.append(("key lookup in the store (cached after the first call)", (time.perf_counter() - t) / n))
+    finally:
+        await store.close()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1280, help="requests per mode at concurrency 64")
+    ap.add_argument("--requests-serial", type=int, default=400, help="requests per mode at concurrency 1")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from inharness.engine.tiny import init_tiny
+
+    work = Path(tempfile.mkdtemp(prefix="inharness-bench-"))
+    model = init_tiny(work / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    reply = [*tok.encode("The answer is 5.", add_special_tokens=False), tok.eos_token_id]
+    first_turn = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 1+2?"}]
+    prompt = tok.encode(
+        tok.apply_chat_template(first_turn, tools=TOOLS, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+
+    eport, gport = free_port(), free_port()
+    engine = ServerProcess(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("fast_engine.py")),
+            "--port",
+            str(eport),
+            "--reply-ids",
+            ",".join(map(str, reply)),
+        ],
+        port=eport,
+        log=work / "engine.log",
+        health="/health",
+        name="fast-engine",
+    )
+    gateway = ServerProcess.inharness(
+        [
+            "gateway",
+            "--model",
+            str(model),
+            "--engine",
+            engine.url,
+            "--store",
+            f"sqlite:///{work / 'gw.db'}",
+            "--port",
+            str(gport),
+            "--admin-token",
+            ADMIN,
+        ],
+        port=gport,
+        log=work / "gateway.log",
+        health="/healthz",
+    )
+    engine.start()
+    gateway.start()
+    try:
+        with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+            c.post("/api/v1/rollouts", json={"tasks": list(range(64))}).raise_for_status()
+            tokens = [
+                c.post("/api/v1/attempts/claim", json={"lease_seconds": 3600}).json()["attempt"]["token"]
+                for _ in range(64)
+            ]
+        ctx: dict[str, Any] = {
+            "engine": engine.url,
+            "gateway": gateway.url,
+            "prompt": prompt,
+            "tokens": tokens,
+        }
+
+        lat: dict[tuple[str, int], list[float]] = {}
+        wall: dict[tuple[str, int], float] = {}
+        for conc, total in ((1, args.requests_serial), (64, args.requests)):
+            for mode in ("direct", "gateway"):  # warm-up, discarded
+                asyncio.run(measure(mode, conc, max(conc * 2, total // 10), ctx))
+            for _round in range(2):  # alternate, so drifts in machine load hit both paths alike
+                for mode in ("direct", "gateway"):
+                    got, sec = asyncio.run(measure(mode, conc, total // 2, ctx))
+                    lat.setdefault((mode, conc), []).extend(got)
+                    wall[(mode, conc)] = wall.get((mode, conc), 0.0) + sec
+
+        cpus = Path("/proc/cpuinfo").read_text().count("processor")
+        print(f"\ngateway vs the same engine called directly (minimal fast engine), {cpus} CPUs")
+        print(f"{'concurrency':>11} {'path':>8} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+        stats: dict[tuple[str, int], tuple[float, float, float]] = {}
+        for conc in (1, 64):
+            for mode in ("direct", "gateway"):
+                xs = lat[(mode, conc)]
+                stats[(mode, conc)] = (pct(xs, 0.5), pct(xs, 0.99), len(xs) / wall[(mode, conc)])
+                p50, p99, rps = stats[(mode, conc)]
+                print(f"{conc:>11} {mode:>8} {len(xs):>8} {p50 * 1e3:>8.2f} {p99 * 1e3:>8.2f} {rps:>8.0f}")
+        print(f"\n{'concurrency':>11} {'added p50 ms':>13} {'added p99 ms':>13} {'throughput ratio':>17}")
+        for conc in (1, 64):
+            d, g = stats[("direct", conc)], stats[("gateway", conc)]
+            print(
+                f"{conc:>11} {(g[0] - d[0]) * 1e3:>13.2f} {(g[1] - d[1]) * 1e3:>13.2f} {g[2] / d[2]:>17.2f}"
+            )
+
+        steps = asyncio.run(breakdown(model, first_turn, work / "breakdown.db"))
+        print("\nwhere a gateway call's own time goes (in-process, per call):")
+        for name, sec in steps:
+            print(f"  {name:<58} {sec * 1e6:>8.0f} us")
+    finally:
+        gateway.stop()
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
