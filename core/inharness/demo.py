@@ -162,9 +162,7 @@ def main() -> int:
                 "/api/v1/rollouts", json={"tasks": [{"question": QUESTION, "answer": "5"}]}
             ).raise_for_status()
             attempt = c.post("/api/v1/attempts/claim", json={"lease_seconds": 300}).json()["attempt"]
-            print(
-                f"3. harness conversation on attempt {attempt['id']} (the harness only sees a base URL and key)"
-            )
+            print(f"3. harness conversation on attempt {attempt['id']} (it sees only a base URL and a key)")
             messages = harness(f"{gateway.url}/v1", attempt["token"])
             for m in messages:
                 shown = m.get("content") or json.dumps([tc["function"] for tc in m.get("tool_calls", [])])

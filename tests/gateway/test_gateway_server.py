@@ -11,8 +11,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ADMIN, CALC_TOOL, FINAL, QUESTION, SYSTEM, TOOL_ARGS
+from conftest import ADMIN, TOOL_ARGS
 from testsupport import Server, free_port, gateway_server
+
+from inharness.demo import CALC_TOOL, FINAL, QUESTION, SYSTEM
 
 
 @pytest.fixture(scope="module")
