@@ -4,7 +4,9 @@ Unknown fields are accepted (harnesses and their SDKs send many) and recorded; k
 wrong type or out of range are rejected with a 400 that names the field.
 """
 
+import json
 import re
+from functools import lru_cache
 from typing import Any, Literal
 
 from jsonschema import Draft202012Validator, SchemaError
@@ -76,13 +78,24 @@ class FunctionDef(_Open):
     def _schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is None:
             return v
-        try:
-            Draft202012Validator.check_schema(v)
-        except SchemaError as exc:
-            raise ValueError(f"parameters is not a valid JSON Schema: {exc.message}") from None
-        if v.get("type", "object") != "object":
-            raise ValueError("parameters must be a JSON Schema of type 'object'")
+        problem = _schema_problem(json.dumps(v, sort_keys=True))
+        if problem:
+            raise ValueError(problem)
         return v
+
+
+@lru_cache(maxsize=1024)
+def _schema_problem(schema_json: str) -> str | None:
+    """Why a tool's parameters are not usable, or None; cached, since harnesses send the same tools
+    with every call and checking a schema costs far more than the rest of the request."""
+    schema = json.loads(schema_json)
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        return f"parameters is not a valid JSON Schema: {exc.message}"
+    if schema.get("type", "object") != "object":
+        return "parameters must be a JSON Schema of type 'object'"
+    return None
 
 
 class ToolDef(_Open):

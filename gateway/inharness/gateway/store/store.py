@@ -313,24 +313,38 @@ class Store:
         await done
 
     async def _write_calls_forever(self) -> None:
-        while True:
-            batch = [await self._call_queue.get()]
-            while not self._call_queue.empty() and len(batch) < 256:
-                batch.append(self._call_queue.get_nowait())
-            try:
-                async with self._writing() as conn:
-                    for records, _ in batch:
-                        for rec in records:
-                            result = await conn.execute(insert(calls).values(_call_row(rec)))
-                            rec.id = result.inserted_primary_key[0]
-            except Exception as exc:  # every waiter learns its record was not stored
+        """Group commit: every record queued while the previous commit ran goes into the next one.
+        The writer keeps one connection of its own, so a commit costs no pool checkout."""
+        insert_calls = insert(calls).returning(calls.c.id, sort_by_parameter_order=True)
+        async with self._engine.connect() as conn:
+            while True:
+                batch = [await self._call_queue.get()]
+                while not self._call_queue.empty() and len(batch) < 256:
+                    batch.append(self._call_queue.get_nowait())
+                records = [rec for recs, _ in batch for rec in recs]
+                try:
+                    if self._write_lock is not None:
+                        await self._write_lock.acquire()
+                    try:
+                        async with conn.begin():
+                            ids = (
+                                (await conn.execute(insert_calls, [_call_row(r) for r in records]))
+                                .scalars()
+                                .all()
+                            )
+                    finally:
+                        if self._write_lock is not None:
+                            self._write_lock.release()
+                except Exception as exc:  # every waiter learns that its records were not stored
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    continue
+                for rec, call_id in zip(records, ids, strict=True):
+                    rec.id = call_id
                 for _, fut in batch:
                     if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_result(None)
+                        fut.set_result(None)
 
     async def call_digests(self, attempt_id: str) -> tuple[dict[str, int], dict[str, int]]:
         """(reply digest -> call id, request digest -> call id) of the attempt's calls, latest wins."""
