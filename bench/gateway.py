@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from inharness.procs import ServerProcess, free_port
@@ -41,7 +42,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def direct_worker(
-    client: httpx.AsyncClient, url: str, prompt: list[int], n: int, out: list[float]
+    session: aiohttp.ClientSession, url: str, prompt: list[int], n: int, out: list[float]
 ) -> None:
     body = {
         "model": "bench",
@@ -53,13 +54,14 @@ async def direct_worker(
     }
     for _ in range(n):
         t = time.perf_counter()
-        r = await client.post(f"{url}/v1/completions", json=body)
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            await r.read()
         out.append(time.perf_counter() - t)
-        r.raise_for_status()
+        assert r.status == 200, r.status
 
 
 async def gateway_worker(
-    client: httpx.AsyncClient, url: str, token: str, n: int, w: int, out: list[float]
+    session: aiohttp.ClientSession, url: str, token: str, n: int, w: int, out: list[float]
 ) -> None:
     headers = {"Authorization": f"Bearer {token}"}
     messages: list[dict[str, Any]] = []
@@ -71,23 +73,26 @@ async def gateway_worker(
             ]
         body = {"model": "any-name", "messages": messages, "tools": TOOLS, "max_tokens": 16, "temperature": 0}
         t = time.perf_counter()
-        r = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+            data = await r.json()
         out.append(time.perf_counter() - t)
-        r.raise_for_status()
-        messages = [*messages, r.json()["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+        assert r.status == 200, data
+        messages = [*messages, data["choices"][0]["message"], {"role": "user", "content": "and then?"}]
 
 
 async def measure(mode: str, concurrency: int, total: int, ctx: dict[str, Any]) -> tuple[list[float], float]:
-    """Latencies of `total` requests from `concurrency` workers, and the wall time they took."""
+    """Latencies of `total` requests from `concurrency` workers, and the wall time they took. The
+    load client is aiohttp: with httpx the client itself was the bottleneck at concurrency 64."""
     per = max(1, total // concurrency)
     lat: list[float] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         if mode == "direct":
-            jobs = [direct_worker(client, ctx["engine"], ctx["prompt"], per, lat) for _ in range(concurrency)]
+            jobs = [
+                direct_worker(session, ctx["engine"], ctx["prompt"], per, lat) for _ in range(concurrency)
+            ]
         else:
             jobs = [
-                gateway_worker(client, ctx["gateway"], ctx["tokens"][w], per, w, lat)
+                gateway_worker(session, ctx["gateway"], ctx["tokens"][w], per, w, lat)
                 for w in range(concurrency)
             ]
         t = time.perf_counter()
@@ -102,10 +107,13 @@ async def breakdown(
     from transformers import AutoTokenizer
 
     from inharness.gateway.conversation import Conversation, Message
+    from inharness.gateway.prompts import fast_encoder
     from inharness.gateway.store import CallRecord, Store
     from inharness.gateway.toolcalls import parse_all
 
     tok = AutoTokenizer.from_pretrained(model_dir)
+    fast = fast_encoder(tok)
+    encode = (lambda t: fast.encode(t, add_special_tokens=False).ids) if fast else tok.encode
     conv = Conversation(tuple(Message(m["role"], m["content"]) for m in prompt_text_conv), tuple(TOOLS))
     msgs = conv.template_messages()
 
@@ -117,6 +125,7 @@ async def breakdown(
         return (time.perf_counter() - t) / n
 
     reply = tok.encode("The answer is 5.", add_special_tokens=False)
+    prompt_text = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False)
     rows = [
         ("digest chain", timeit(conv.digest_chain)),
         (
@@ -127,11 +136,7 @@ async def breakdown(
         ),
         (
             "tokenize prompt",
-            timeit(
-                lambda: tok.encode(
-                    tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False), add_special_tokens=False
-                )
-            ),
+            timeit(lambda: encode(prompt_text)),
         ),
         ("detokenize + parse reply", timeit(lambda: parse_all(tok.decode(reply, skip_special_tokens=True)))),
     ]
@@ -184,7 +189,9 @@ async def breakdown(
         t = time.perf_counter()
         for _ in range(n):
             await store.attempt_by_token(att.token)
-        rows.append(("key lookup in the store (cached after the first call)", (time.perf_counter() - t) / n))
+        rows.append(
+            ("key lookup in the store (once per attempt, then cached)", (time.perf_counter() - t) / n)
+        )
     finally:
         await store.close()
     return rows

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -54,11 +54,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tokenizer, model_len, stops = _load_tokenizer(settings.model)
         store = await Store.open(settings.store, sqlite_synchronous=settings.sqlite_synchronous)
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.engine_timeout_seconds, connect=5.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=settings.engine_timeout_seconds, sock_connect=5.0),
+            connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=60),
         )
-        pool = EnginePool(client, retries=settings.engine_retries)
+        pool = EnginePool(session, retries=settings.engine_retries)
         if settings.engines:
             has_active = any(v.active for v in await store.list_versions())
             await store.register_version(settings.model_version, settings.engines, activate=not has_active)
@@ -94,7 +94,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await client.aclose()
+            await session.close()
             await store.close()
 
     app = FastAPI(

@@ -5,6 +5,9 @@ CPU engine and a real vLLM server are interchangeable. An attempt's calls go to 
 (rendezvous hashing on the attempt id keeps its prefix cache warm, and moves only the attempts of
 an engine that is lost); unhealthy engines are skipped; transient failures are retried with
 backoff, on the next engine in the attempt's order.
+
+The engine hop uses aiohttp rather than httpx: on the gateway's hot path it measured about three
+times cheaper per request (0.30 ms vs 0.95 ms round trip to a minimal engine on 2 CPUs).
 """
 
 import asyncio
@@ -15,12 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 log = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+_JSON = {"content-type": "application/json"}
 
 
 class NoEngineAvailable(Exception):
@@ -62,13 +66,13 @@ class Choice:
 class EnginePool:
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        session: aiohttp.ClientSession,
         *,
         retries: int = 3,
         backoff_seconds: float = 0.05,
         health_interval: float = 5.0,
     ) -> None:
-        self._client = client
+        self._session = session
         self._retries = retries
         self._backoff = backoff_seconds
         self._health_interval = health_interval
@@ -92,15 +96,16 @@ class EnginePool:
         return list(self._engines.values())
 
     async def check(self, engine: Engine) -> None:
+        timeout = aiohttp.ClientTimeout(total=5.0)
         try:
-            r = await self._client.get(f"{engine.url}/health", timeout=5.0)
-            engine.healthy = r.status_code == 200
+            async with self._session.get(f"{engine.url}/health", timeout=timeout) as r:
+                engine.healthy = r.status == 200
             if engine.healthy and engine.model is None:
-                models = (await self._client.get(f"{engine.url}/v1/models", timeout=5.0)).json()
-                first = models["data"][0]
+                async with self._session.get(f"{engine.url}/v1/models", timeout=timeout) as r:
+                    first = orjson.loads(await r.read())["data"][0]
                 engine.model = first["id"]
                 engine.max_model_len = first.get("max_model_len")
-        except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError):
             engine.healthy = False
         engine.checked_at = time.time()
 
@@ -122,21 +127,20 @@ class EnginePool:
             if attempt:
                 await asyncio.sleep(self._backoff * 2 ** (attempt - 1))
             try:
-                r = await self._client.post(
-                    f"{engine.url}/v1/completions",
-                    content=self._body(engine, body, stream=False),
-                    headers={"content-type": "application/json"},
-                )
-            except httpx.HTTPError as exc:
+                async with self._session.post(
+                    f"{engine.url}/v1/completions", data=self._body(engine, body, stream=False), headers=_JSON
+                ) as r:
+                    status, content = r.status, await r.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 engine.healthy = False
                 errors.append(f"{engine.url}: {type(exc).__name__}")
                 continue
-            if r.status_code in _RETRYABLE_STATUS:
-                errors.append(f"{engine.url}: HTTP {r.status_code}")
+            if status in _RETRYABLE_STATUS:
+                errors.append(f"{engine.url}: HTTP {status}")
                 continue
-            if r.status_code != 200:
-                raise EngineRejected(r.status_code, _engine_message(r.content))
-            data = orjson.loads(r.content)
+            if status != 200:
+                raise EngineRejected(status, _engine_message(content))
+            data = orjson.loads(content)
             choices = [_choice(c) for c in sorted(data["choices"], key=lambda c: c["index"])]
             return Served(version, engine.url), choices
         raise NoEngineAvailable(_no_engine(version, errors))
@@ -152,26 +156,22 @@ class EnginePool:
         for attempt, engine in self._tries(key, version):
             if attempt:
                 await asyncio.sleep(self._backoff * 2 ** (attempt - 1))
-            req = self._client.build_request(
-                "POST",
-                f"{engine.url}/v1/completions",
-                content=self._body(engine, body, stream=True),
-                headers={"content-type": "application/json"},
-            )
             try:
-                resp = await self._client.send(req, stream=True)
-            except httpx.HTTPError as exc:
+                resp = await self._session.post(
+                    f"{engine.url}/v1/completions", data=self._body(engine, body, stream=True), headers=_JSON
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 engine.healthy = False
                 errors.append(f"{engine.url}: {type(exc).__name__}")
                 continue
-            if resp.status_code != 200:
-                content = await resp.aread()
-                await resp.aclose()
-                if resp.status_code in _RETRYABLE_STATUS:
-                    errors.append(f"{engine.url}: HTTP {resp.status_code}")
+            if resp.status != 200:
+                content = await resp.read()
+                resp.release()
+                if resp.status in _RETRYABLE_STATUS:
+                    errors.append(f"{engine.url}: HTTP {resp.status}")
                     continue
-                raise EngineRejected(resp.status_code, _engine_message(content))
-            return Served(version, engine.url), _sse_choices(resp)
+                raise EngineRejected(resp.status, _engine_message(content))
+            return Served(version, engine.url), _sse_choices(engine.url, resp)
         raise NoEngineAvailable(_no_engine(version, errors))
 
     def _tries(self, key: str, version: int) -> list[tuple[int, Engine]]:
@@ -181,29 +181,28 @@ class EnginePool:
         return [(i, order[i % len(order)]) for i in range(self._retries + 1)]
 
 
-async def _sse_choices(resp: httpx.Response) -> AsyncIterator[tuple[int, list[int], list[float], str | None]]:
+async def _sse_choices(
+    url: str, resp: aiohttp.ClientResponse
+) -> AsyncIterator[tuple[int, list[int], list[float], str | None]]:
     try:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
-            if payload == "[DONE]":
+            if payload == b"[DONE]":
                 return
             chunk = orjson.loads(payload)
             if "error" in chunk:
-                raise NoEngineAvailable(f"engine {resp.url} failed mid-stream: {_engine_message(payload)}")
+                raise NoEngineAvailable(f"engine {url} failed mid-stream: {_engine_message(payload)}")
             for c in chunk.get("choices", []):
                 lp = c.get("logprobs") or {}
-                yield (
-                    c["index"],
-                    list(c.get("token_ids") or []),
-                    list(lp.get("token_logprobs") or []),
-                    c.get("finish_reason"),
-                )
-    except httpx.HTTPError as exc:
-        raise NoEngineAvailable(f"engine {resp.url} broke off mid-stream: {type(exc).__name__}") from exc
+                ids = list(c.get("token_ids") or [])
+                yield c["index"], ids, list(lp.get("token_logprobs") or []), c.get("finish_reason")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise NoEngineAvailable(f"engine {url} broke off mid-stream: {type(exc).__name__}") from exc
     finally:
-        await resp.aclose()
+        resp.close()
 
 
 def _choice(c: dict[str, Any]) -> Choice:
