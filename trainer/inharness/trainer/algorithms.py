@@ -1,0 +1,320 @@
+"""RL objective pieces as plain tensor functions: outcome advantages, clipped policy loss, loss
+aggregation, KL penalty, entropy.
+
+Shapes: ``R`` rollouts, ``B`` samples (padded rows), ``T`` positions, ``V`` vocabulary. Every ``[B, T]``
+input of one call shares one alignment (for samples from `inharness.trainer.samples`: position ``i`` is
+token ``input_ids[i]``), and ``mask`` is 1 on generated tokens, 0 on prompt, tool and padding positions.
+A sample comes from one rollout; a rollout may give several samples (see the adapter's split reasons),
+which is why advantages and loss aggregation can be taken per rollout rather than per sample.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+AdvantageEstimator = Literal["grpo", "rloo"]
+AdvantageLevel = Literal["rollout", "sample"]
+LossAggregation = Literal["token", "sample", "rollout"]
+KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps ratios finite when policies drift far apart
+
+
+def _check_1d(name: str, t: Tensor, n: int | None = None) -> None:
+    if t.dim() != 1 or (n is not None and t.shape[0] != n):
+        want = "[N]" if n is None else f"[{n}]"
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+
+
+def _dense(index: Tensor) -> tuple[Tensor, int]:
+    """Map arbitrary integer ids to 0..K-1 (so callers may pass global ids); returns (inverse, K)."""
+    uniq, inverse = torch.unique(index, return_inverse=True)
+    return inverse, uniq.numel()
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is nonzero; 0 when there are none."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def rollout_advantages(
+    rewards: Tensor,
+    group_index: Tensor,
+    estimator: AdvantageEstimator = "grpo",
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """One advantage per unit from outcome rewards, normalised within groups.
+
+    rewards: ``[N]`` float, one per unit (a rollout; for sample level see `sample_advantages`).
+    group_index: ``[N]`` long, units sharing a value form a group (same task); any integers.
+    Returns ``[N]`` in the rewards' float dtype (float32 for integer rewards).
+
+    - ``"grpo"``: ``(r - mean_g) / (std_g + eps)`` with the unbiased (n - 1) std, as GRPO/verl/TRL;
+      ``norm_by_std=False`` gives ``r - mean_g`` (Dr. GRPO: no per-group difficulty reweighting).
+    - ``"rloo"``: ``r_i - mean of the other rewards of the group`` (= ``n/(n-1) * (r_i - mean_g)``).
+
+    A group with a single unit has no baseline to compare against, so its advantage is 0 (it gives no
+    learning signal rather than a raw-reward one).
+    """
+    n_units = rewards.shape[0]
+    _check_1d("rewards", rewards)
+    _check_1d("group_index", group_index, n_units)
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    r = rewards.to(dtype)
+    if n_units == 0:
+        return r
+    inverse, n_groups = _dense(group_index.to(r.device))
+
+    def per_group_sum(x: Tensor) -> Tensor:
+        return torch.zeros(n_groups, dtype=dtype, device=r.device).index_add_(0, inverse, x)[inverse]
+
+    count = per_group_sum(torch.ones_like(r))
+    total = per_group_sum(r)
+    others = (count - 1).clamp(min=1)
+    if estimator == "grpo":
+        dev = r - total / count
+        if norm_by_std:
+            std = (per_group_sum(dev.square()) / others).sqrt()
+            dev = dev / (std + eps)
+        adv = dev
+    elif estimator == "rloo":
+        adv = r - (total - r) / others
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    return torch.where(count > 1, adv, torch.zeros_like(adv))
+
+
+def sample_advantages(
+    rollout_rewards: Tensor,
+    rollout_group_index: Tensor,
+    sample_rollout_index: Tensor,
+    estimator: AdvantageEstimator = "grpo",
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Sample-level advantages: every sample is its own unit with its rollout's reward, normalised over
+    the samples of its group (a rollout split into 3 samples counts 3 times in its group's mean).
+
+    rollout_rewards, rollout_group_index: ``[R]``; sample_rollout_index: ``[B]`` long in ``0..R-1``.
+    Returns ``[B]``.
+    """
+    _check_1d("rollout_group_index", rollout_group_index, rollout_rewards.shape[0])
+    _check_1d("sample_rollout_index", sample_rollout_index)
+    return rollout_advantages(
+        rollout_rewards[sample_rollout_index],
+        rollout_group_index[sample_rollout_index],
+        estimator,
+        norm_by_std=norm_by_std,
+        eps=eps,
+    )
+
+
+def token_advantages(
+    rollout_rewards: Tensor,
+    rollout_group_index: Tensor,
+    sample_rollout_index: Tensor,
+    mask: Tensor,
+    *,
+    level: AdvantageLevel = "rollout",
+    estimator: AdvantageEstimator = "grpo",
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Per-token advantages ``[B, T]`` for a padded batch: each sample's advantage on its generated
+    tokens, 0 elsewhere.
+
+    ``level="rollout"``: one advantage per rollout (`rollout_advantages` over ``[R]``), broadcast to all
+    of its samples. ``level="sample"``: `sample_advantages`. mask: ``[B, T]``.
+    """
+    _check_1d("sample_rollout_index", sample_rollout_index, mask.shape[0])
+    if level == "rollout":
+        per_sample = rollout_advantages(
+            rollout_rewards, rollout_group_index, estimator, norm_by_std=norm_by_std, eps=eps
+        )[sample_rollout_index]
+    elif level == "sample":
+        per_sample = sample_advantages(
+            rollout_rewards,
+            rollout_group_index,
+            sample_rollout_index,
+            estimator,
+            norm_by_std=norm_by_std,
+            eps=eps,
+        )
+    else:
+        raise ValueError(f"unknown advantage level {level!r}")
+    return per_sample[:, None] * mask.to(per_sample.dtype)
+
+
+def loss_weights(
+    mask: Tensor, mode: LossAggregation = "token", rollout_index: Tensor | None = None
+) -> Tensor:
+    """Per-token weights ``[B, T]`` (float32, 0 off the mask, summing to 1 when any token is on it) such
+    that the aggregated loss is ``(loss_mat * weights).sum()``.
+
+    - ``"token"``: every generated token of the batch weighs the same; long samples dominate.
+    - ``"sample"``: mean over samples (with at least one generated token) of each sample's token mean.
+    - ``"rollout"``: mean over rollouts of the mean over all generated tokens of that rollout's samples,
+      so each rollout weighs the same however many samples and tokens it was split into.
+      Needs ``rollout_index`` ``[B]`` (any integers; equal values = same rollout).
+
+    Computing the weights once on a whole mini-batch and slicing their rows per micro-batch makes the
+    sum of micro-batch losses equal the mini-batch aggregate, which per-micro-batch means would not.
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must have shape [B, T], got {list(mask.shape)}")
+    m = mask.to(torch.float32)
+    per_row = m.sum(dim=1)
+    if mode == "token":
+        return m / per_row.sum().clamp(min=1)
+    if mode == "sample":
+        active = (per_row > 0).sum().clamp(min=1)
+        return m / per_row.clamp(min=1)[:, None] / active
+    if mode == "rollout":
+        if rollout_index is None:
+            raise ValueError("rollout aggregation needs rollout_index")
+        _check_1d("rollout_index", rollout_index, m.shape[0])
+        inverse, n_rollouts = _dense(rollout_index.to(m.device))
+        per_rollout = torch.zeros(n_rollouts, dtype=m.dtype, device=m.device).index_add_(0, inverse, per_row)
+        active = (per_rollout > 0).sum().clamp(min=1)
+        return m / per_rollout[inverse].clamp(min=1)[:, None] / active
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def aggregate_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: LossAggregation = "token",
+    rollout_index: Tensor | None = None,
+    *,
+    weights: Tensor | None = None,
+) -> Tensor:
+    """Scalar loss from a per-token loss matrix ``[B, T]`` (see `loss_weights` for the modes); pass
+    precomputed ``weights`` to aggregate a micro-batch against its whole mini-batch."""
+    if weights is None:
+        weights = loss_weights(mask, mode, rollout_index)
+    if weights.shape != loss_mat.shape:
+        raise ValueError(f"weights {list(weights.shape)} do not match loss {list(loss_mat.shape)}")
+    return (loss_mat.float() * weights).sum()
+
+
+def clipped_policy_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: LossAggregation = "token",
+    rollout_index: Tensor | None = None,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate, ``max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))`` per
+    token, with ``ratio = exp(logprobs - behaviour_logprobs)``, aggregated by `aggregate_loss`.
+
+    logprobs (current policy, with grad), behaviour_logprobs (recorded by the gateway), advantages,
+    mask: ``[B, T]``. ``clip_high > clip_low`` is DAPO's clip-higher (lets unlikely tokens with positive
+    advantage grow). ``dual_clip=c`` (c > 1) also caps the loss of negative-advantage tokens at
+    ``-A * c`` so a huge ratio cannot blow the update up (Dual-clip PPO). Where a clip is active the
+    token's gradient is zero.
+
+    Metrics (masked means over this batch's generated tokens): ``clip_frac`` (either clip bound active),
+    ``clip_frac_low`` / ``clip_frac_high`` (ratio below / above the range), ``dual_clip_frac``,
+    ``approx_kl`` (k3 estimate of KL(behaviour || current): ``ratio - 1 - log ratio``), ``ratio_mean``,
+    ``ratio_max``.
+    """
+    if not logprobs.shape == behaviour_logprobs.shape == advantages.shape == mask.shape:
+        raise ValueError("logprobs, behaviour_logprobs, advantages and mask must have one shape")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    log_ratio = (logprobs - behaviour_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    is_clipped = clipped > unclipped
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        is_dual = (advantages < 0) & (loss_mat > cap)
+        loss_mat = torch.where(is_dual, cap, loss_mat)
+    else:
+        is_dual = torch.zeros_like(is_clipped)
+    loss = aggregate_loss(loss_mat, mask, agg, rollout_index, weights=weights)
+
+    with torch.no_grad():
+        on = mask.bool()
+        r = ratio.detach()
+        metrics = {
+            "clip_frac": masked_mean(is_clipped.float(), on).item(),
+            "clip_frac_low": masked_mean((is_clipped & (r < 1.0)).float(), on).item(),
+            "clip_frac_high": masked_mean((is_clipped & (r > 1.0)).float(), on).item(),
+            "dual_clip_frac": masked_mean(is_dual.float(), on).item(),
+            "approx_kl": masked_mean(r - 1.0 - log_ratio.detach(), on).item(),
+            "ratio_mean": masked_mean(r, on).item(),
+            "ratio_max": r[on].max().item() if on.any() else 0.0,
+        }
+    return loss, metrics
+
+
+def kl_penalty(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3", *, max_value: float | None = 10.0
+) -> Tensor:
+    """Per-token estimate ``[B, T]`` of KL(current || reference) on tokens sampled from the current
+    (behaviour) policy (Schulman, "Approximating KL divergence"); aggregate it like the policy loss.
+
+    - ``"k1"``: ``logp - ref_logp``; unbiased, high variance, can be negative per token.
+    - ``"k2"``: ``0.5 * (logp - ref_logp) ** 2``; biased, low variance.
+    - ``"k3"`` / ``"low_var_kl"``: ``exp(ref_logp - logp) - (ref_logp - logp) - 1``; unbiased,
+      non-negative, low variance. Its log ratio is clamped to +-20 and, with ``max_value``, the value
+      to ``max_value``, so a single token where the policies disagree wildly cannot dominate the loss.
+    """
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError("logprobs and ref_logprobs must have one shape")
+    diff = logprobs - ref_logprobs
+    if estimator == "k1":
+        return diff
+    if estimator == "k2":
+        return 0.5 * diff.square()
+    if estimator in ("k3", "low_var_kl"):
+        log_r = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        kl = log_r.exp() - log_r - 1.0
+        return kl if max_value is None else kl.clamp(max=max_value)
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def token_entropy(logits: Tensor, mask: Tensor | None = None, *, chunk_size: int = 1024) -> Tensor:
+    """Entropy of the next-token distribution at each position: logits ``[..., V]`` -> ``[...]`` float32.
+
+    Works through ``chunk_size`` positions at a time, upcasting only those to float32, so no float32 copy
+    of the full logits is made; with ``mask`` (shape ``[...]``) only masked positions are computed and the
+    rest are 0. Under autograd each chunk's softmax is kept for backward, so for a metric call it inside
+    ``torch.no_grad()``.
+    """
+    lead = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    if mask is None:
+        idx = torch.arange(flat.shape[0], device=flat.device)
+    else:
+        if mask.shape != lead:
+            raise ValueError(f"mask {list(mask.shape)} does not match logits {list(lead)}")
+        idx = mask.reshape(-1).nonzero().squeeze(1)
+    parts = []
+    for chunk in idx.split(chunk_size):
+        # -inf logits (masked vocabulary) would give 0 * -inf = nan below; the float32 minimum gives 0.
+        x = flat.index_select(0, chunk).float().clamp(min=torch.finfo(torch.float32).min)
+        lse = x.logsumexp(dim=-1)
+        p = (x - lse[:, None]).exp()
+        parts.append(lse - (p * x).sum(dim=-1))
+    out = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device)
+    if parts:
+        out = out.index_copy(0, idx, torch.cat(parts))
+    return out.reshape(lead)
