@@ -428,3 +428,28 @@ def test_dead_engine_is_skipped_and_no_engine_gives_a_clear_503(
         assert calls_of(gw, attempt["id"]) == []
     finally:
         gw.stop()
+
+
+async def test_control_client_drives_the_queue_end_to_end(gateway: Server) -> None:
+    from inharness.gateway.client import GatewayClient, GatewayError
+
+    async with GatewayClient(gateway.url, ADMIN) as gw:
+        created = await gw.create_rollouts([{"q": 1}], group_size=2, pool="client-test", labels={"step": "0"})
+        assert len(created) == 2 and created[0].group_id == created[1].group_id
+        attempt = await gw.claim("client-test", lease_seconds=60)
+        assert attempt is not None and attempt.task == {"q": 1}
+        assert (await gw.heartbeat(attempt.id, 120)).lease_expires_at > attempt.lease_expires_at
+        harness_client(gateway, attempt.token).chat.completions.create(
+            model="m", messages=FIRST_TURN, max_tokens=2
+        )
+        assert len(await gw.calls(attempt.id)) == 1
+        _, duplicate = await gw.complete(attempt.id, "succeeded", 1.0)
+        assert not duplicate and (await gw.complete(attempt.id, "succeeded", 1.0))[1]
+        with pytest.raises(GatewayError) as err:
+            await gw.complete(attempt.id, "failed")
+        assert err.value.status == 409
+        exported = [e async for e in gw.export(bodies=False)]
+        assert attempt.rollout_id in {e.rollout.id for e in exported}
+        assert (await gw.versions()).active == 0
+        assert (await gw.pause(hold_seconds=30)).paused and not (await gw.resume()).paused
+        assert await gw.claim("client-test") is not None and await gw.claim("client-test") is None

@@ -1,0 +1,142 @@
+"""Async client of the gateway's control API, for the trainer, the rollout controllers and tests.
+
+Typed with the gateway's own wire schema; errors come back as `GatewayError` with the HTTP status
+and the gateway's message.
+"""
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import httpx
+import orjson
+
+from inharness.gateway import schema
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(f"gateway answered {status}: {message}")
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+class GatewayClient:
+    def __init__(self, base_url: str, admin_token: str, *, timeout: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers={"Authorization": f"Bearer {admin_token}"}, timeout=timeout
+        )
+
+    async def __aenter__(self) -> "GatewayClient":
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, body: Any = None, **params: Any) -> httpx.Response:
+        content = None if body is None else orjson.dumps(body)
+        headers = {"content-type": "application/json"} if content is not None else None
+        r = await self._http.request(method, path, content=content, headers=headers, params=params or None)
+        if r.status_code >= 400:
+            try:
+                err = r.json()["error"]
+                raise GatewayError(r.status_code, err.get("message", r.text), err.get("code"))
+            except (ValueError, KeyError, TypeError):
+                raise GatewayError(r.status_code, r.text) from None
+        return r
+
+    async def create_rollouts(
+        self,
+        tasks: list[Any],
+        *,
+        group_size: int = 1,
+        labels: dict[str, str] | None = None,
+        pool: str = "default",
+        max_attempts: int | None = None,
+    ) -> list[schema.RolloutOut]:
+        body = schema.CreateRollouts(
+            tasks=tasks, group_size=group_size, labels=labels or {}, pool=pool, max_attempts=max_attempts
+        )
+        r = await self._call("POST", "/api/v1/rollouts", body.model_dump(mode="json"))
+        return schema.CreateRolloutsResponse.model_validate_json(r.content).rollouts
+
+    async def get_rollout(self, rollout_id: str) -> schema.RolloutOut:
+        r = await self._call("GET", f"/api/v1/rollouts/{rollout_id}")
+        return schema.RolloutOut.model_validate_json(r.content)
+
+    async def claim(
+        self, pool: str = "default", lease_seconds: float = 600.0
+    ) -> schema.ClaimedAttempt | None:
+        r = await self._call("POST", "/api/v1/attempts/claim", {"pool": pool, "lease_seconds": lease_seconds})
+        if r.status_code == 204:
+            return None
+        return schema.ClaimResponse.model_validate_json(r.content).attempt
+
+    async def heartbeat(self, attempt_id: str, lease_seconds: float | None = None) -> schema.AttemptOut:
+        r = await self._call(
+            "POST", f"/api/v1/attempts/{attempt_id}/heartbeat", {"lease_seconds": lease_seconds}
+        )
+        return schema.AttemptOut.model_validate_json(r.content)
+
+    async def complete(
+        self,
+        attempt_id: str,
+        status: Literal["succeeded", "failed"],
+        reward: float | None = None,
+        info: dict[str, Any] | None = None,
+    ) -> tuple[schema.AttemptOut, bool]:
+        """Returns (attempt, duplicate); raises GatewayError 409 for a stale attempt."""
+        body = {"status": status, "reward": reward, "info": info or {}}
+        data = (await self._call("POST", f"/api/v1/attempts/{attempt_id}/complete", body)).json()
+        return schema.AttemptOut.model_validate(data["attempt"]), bool(data["duplicate"])
+
+    async def calls(self, attempt_id: str, *, bodies: bool = True) -> list[schema.CallOut]:
+        r = await self._call("GET", f"/api/v1/attempts/{attempt_id}/calls", bodies=str(bodies).lower())
+        return schema.CallsResponse.model_validate_json(r.content).calls
+
+    async def export(
+        self, *, after: int = 0, limit: int = 100_000, bodies: bool = False, status: str | None = None
+    ) -> AsyncIterator[schema.ExportedRollout]:
+        """Finished rollouts after cursor `after`, streamed line by line."""
+        params: dict[str, Any] = {"after": after, "limit": limit, "bodies": str(bodies).lower()}
+        if status is not None:
+            params["status"] = status
+        async with self._http.stream("GET", "/api/v1/export/rollouts", params=params) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                raise GatewayError(r.status_code, r.text)
+            async for line in r.aiter_lines():
+                if line:
+                    yield schema.ExportedRollout.model_validate_json(line)
+
+    async def register_version(self, version: int, engines: list[str], *, activate: bool = False) -> None:
+        await self._call(
+            "POST", "/api/v1/models/versions", {"version": version, "engines": engines, "activate": activate}
+        )
+
+    async def activate_version(self, version: int) -> None:
+        await self._call("POST", "/api/v1/models/active", {"version": version})
+
+    async def versions(self) -> schema.ModelVersionsResponse:
+        r = await self._call("GET", "/api/v1/models/versions")
+        return schema.ModelVersionsResponse.model_validate_json(r.content)
+
+    async def pause(
+        self, *, hold_seconds: float | None = None, drain_seconds: float = 0.0
+    ) -> schema.ServingState:
+        r = await self._call(
+            "POST", "/api/v1/serving/pause", {"hold_seconds": hold_seconds, "drain_seconds": drain_seconds}
+        )
+        return schema.ServingState.model_validate_json(r.content)
+
+    async def resume(self) -> schema.ServingState:
+        return schema.ServingState.model_validate_json(
+            (await self._call("POST", "/api/v1/serving/resume")).content
+        )
+
+    async def serving(self) -> schema.ServingState:
+        return schema.ServingState.model_validate_json((await self._call("GET", "/api/v1/serving")).content)
