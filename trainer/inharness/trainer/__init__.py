@@ -1,0 +1,1 @@
+"""Trainer: supervised warm-up (and later RL updates) for models served by the engine."""
