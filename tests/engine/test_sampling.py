@@ -95,7 +95,7 @@ def test_n_choices_run_as_a_batch(model: PreTrainedModel) -> None:
         model,
         PROMPT,
         SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3),
-        on_token=lambda i, t, lp: seen.append((i, t, lp)),
+        on_token=lambda i, t, lp, _finish, _stop: seen.append((i, t, lp)),
     )
     assert len(outs) == 3 and len({tuple(o.token_ids) for o in outs}) > 1
     for i, out in enumerate(outs):
@@ -114,7 +114,7 @@ def test_cancel_aborts(model: PreTrainedModel) -> None:
     cancel = threading.Event()
     produced: list[int] = []
 
-    def on_token(index: int, token: int, logprob: float) -> None:
+    def on_token(index: int, token: int, logprob: float, _finish: str | None, _stop: str | None) -> None:
         produced.append(token)
         if len(produced) == 3:
             cancel.set()

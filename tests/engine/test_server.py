@@ -184,6 +184,25 @@ def test_stop_token_ids(engine: Engine) -> None:
     assert body["usage"]["completion_tokens"] == cut
 
 
+def test_stop_strings_end_generation_and_are_cut_from_the_text(engine: Engine) -> None:
+    free = complete(engine, prompt=PROMPT, max_tokens=40, seed=5, return_token_ids=True)["choices"][0]
+    text = free["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert len(stop) == 2 and stop.strip(), text
+    options = {"prompt": PROMPT, "max_tokens": 40, "seed": 5, "stop": [stop], "return_token_ids": True}
+    (choice,) = complete(engine, **options)["choices"]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert choice["text"] == text[: text.find(stop)]
+    assert len(choice["token_ids"]) < len(free["token_ids"])
+    assert (
+        choice["token_ids"] == free["token_ids"][: len(choice["token_ids"])]
+    )  # the completing token is kept
+    chunks = stream(engine, **options)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == choice["token_ids"]
+    assert chunks[-1]["choices"][0]["stop_reason"] == stop
+
+
 def test_eos_stops_by_default_unless_ignored(engine: Engine) -> None:
     im_end = engine.tokenizer.convert_tokens_to_ids(IM_END)
     job = _prepare(engine.state, CompletionRequest(prompt=PROMPT))

@@ -98,7 +98,7 @@ def test_multi_turn_tool_conversation_is_recorded_prefix_exact(gateway: Server) 
 
 
 def _streamed(
-    client: openai.OpenAI, messages: list[Any]
+    client: openai.OpenAI, messages: list[Any], **extra: Any
 ) -> tuple[str | None, list[tuple[str, str]], str, Any]:
     content, calls, finish, usage = "", {}, "", None
     stream = client.chat.completions.create(
@@ -108,6 +108,7 @@ def _streamed(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        **extra,
     )
     for chunk in stream:
         if chunk.usage is not None:
@@ -453,3 +454,24 @@ async def test_control_client_drives_the_queue_end_to_end(gateway: Server) -> No
         assert (await gw.versions()).active == 0
         assert (await gw.pause(hold_seconds=30)).paused and not (await gw.resume()).paused
         assert await gw.claim("client-test") is not None and await gw.claim("client-test") is None
+
+
+def test_stop_strings_cut_the_answer_and_the_record_keeps_the_engine_ids(gateway: Server) -> None:
+    attempt = new_attempt(gateway)
+    client = harness_client(gateway, attempt["token"])
+    first, _ = run_conversation(client)
+    messages: list[Any] = [*FIRST_TURN, first.choices[0].message.model_dump(exclude_none=True)]
+    messages.append(
+        {"role": "tool", "tool_call_id": first.choices[0].message.tool_calls[0].id, "content": "5"}
+    )
+    cut = client.chat.completions.create(
+        model="m", messages=messages, tools=[CALC_TOOL], temperature=0, stop=[" is"]
+    )
+    assert cut.choices[0].message.content == FINAL[: FINAL.find(" is")]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed, _, finish, _ = _streamed(client, messages, stop=[" is"])
+    assert (streamed, finish) == (cut.choices[0].message.content, "stop")
+    full, cut_call, streamed_call = calls_of(gateway, attempt["id"])[1:]
+    assert cut_call["response_ids"] == streamed_call["response_ids"]
+    assert cut_call["response_ids"] == full["response_ids"][: len(cut_call["response_ids"])]
+    assert len(cut_call["response_ids"]) < len(full["response_ids"])

@@ -35,6 +35,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] = ()  # stop strings: end a choice once its text contains one
     n: int = 1
 
 
@@ -46,6 +47,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     stop_token_id: int | None = None
+    stop_str: str | None = None
 
 
 def max_context(model: PreTrainedModel) -> int:
@@ -115,19 +117,26 @@ def generate(
     model: PreTrainedModel,
     prompt_ids: list[int],
     params: SamplingParams,
-    on_token: Callable[[int, int, float], None] | None = None,
+    on_token: Callable[[int, int, float, FinishReason | None, str | None], None] | None = None,
     *,
     cancel: threading.Event | None = None,
+    detokenize: Callable[[list[int]], str] | None = None,
 ) -> list[Completion]:
     """Generate ``params.n`` choices for one prompt, as one batch, with a KV cache.
 
-    ``on_token(choice_index, token_id, logprob)`` is called as each token is produced (streaming). Each
-    choice ends at a stop token (kept in ``token_ids``), at ``max_tokens``, or when the context is full
-    ("length"). Setting ``cancel`` ends all unfinished choices with finish_reason "abort". Thread-safe:
-    calls are serialised by a module lock.
+    ``on_token(choice_index, token_id, logprob, finish_reason, stop_str)`` is called as each token is
+    produced (streaming; finish_reason, and stop_str for a stop string, are set on a choice's last
+    token). Each choice ends at a stop token (kept in ``token_ids``), at a stop string (``params.stop``,
+    checked on the text ``detokenize`` gives; the token that completes it is kept, as in vLLM), at
+    ``max_tokens``, or when the context is full ("length"). Setting ``cancel`` ends all unfinished
+    choices with finish_reason "abort". Thread-safe: calls are serialised by a module lock.
     """
     validate(model, prompt_ids, params)
+    if params.stop and detokenize is None:
+        raise ValueError("stop strings need a detokenize function")
     context = max_context(model)
+    # A stop string ends within the newest token; the last few tokens' text is enough to see it.
+    window = 4 * max((len(x) for x in params.stop), default=0) + 4
     with _LOCK, torch.inference_mode():
         device = next(model.parameters()).device
         generator = torch.Generator(device=device)
@@ -140,6 +149,7 @@ def generate(
         tokens = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         finish: list[FinishReason | None] = [None] * n
+        stop_str: list[str | None] = [None] * n
 
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device).expand(n, -1)
         # transformers 5.x calls the KV cache argument `cache` (was `past_key_values`); it fills in place.
@@ -156,8 +166,14 @@ def generate(
                 tokens[i].append(token)
                 logprobs[i].append(logprob)
                 finish[i] = finish_reason_for(token, len(tokens[i]), prompt_len, params, context)
+                if params.stop and finish[i] != "stop":
+                    assert detokenize is not None
+                    tail = detokenize(tokens[i][-window:])
+                    hit = next((x for x in params.stop if x in tail), None)
+                    if hit is not None:
+                        finish[i], stop_str[i] = "stop", hit
                 if on_token is not None:
-                    on_token(i, token, logprob)
+                    on_token(i, token, logprob, finish[i], stop_str[i])
             if all(f is not None for f in finish):
                 break
             if cancel is not None and cancel.is_set():
@@ -172,7 +188,8 @@ def generate(
             token_ids=tokens[i],
             logprobs=logprobs[i],
             finish_reason=finish[i] or "length",
-            stop_token_id=tokens[i][-1] if finish[i] == "stop" else None,
+            stop_token_id=tokens[i][-1] if finish[i] == "stop" and stop_str[i] is None else None,
+            stop_str=stop_str[i],
         )
         for i in range(n)
     ]

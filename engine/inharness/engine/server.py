@@ -32,7 +32,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from inharness.engine.sampling import Completion, SamplingParams, finish_reason_for, generate, validate
+from inharness.engine.sampling import Completion, SamplingParams, generate, validate
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 Number = StrictFloat | StrictInt
@@ -57,6 +57,7 @@ class CompletionRequest(BaseModel):
     seed: StrictInt | None = None
     n: StrictInt = 1
     stop_token_ids: list[StrictInt] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
     ignore_eos: StrictBool = False
     logprobs: StrictInt | None = None
     return_token_ids: StrictBool | None = False
@@ -91,6 +92,9 @@ class EngineState:
     extra_eos_ids: list[int] = field(default_factory=list)
     requests: int = 0
     aborted: int = 0
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 @dataclass
@@ -163,7 +167,11 @@ def _prepare(state: EngineState, req: CompletionRequest) -> _Job:
         stop += state.extra_eos_ids
         if state.eos_token_id is not None:
             stop.append(state.eos_token_id)
+    stop_strings = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not x for x in stop_strings):
+        raise BadRequest("stop strings must not be empty", "stop")
     params = SamplingParams(
+        stop=tuple(stop_strings),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -186,27 +194,42 @@ class _ChoiceOutput:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None
         self.text_emitted = 0
         self.char_offset = 0
 
-    def add(self, token_id: int, logprob: float, finish_reason: str | None) -> None:
+    def add(
+        self, token_id: int, logprob: float, finish_reason: str | None, stop_str: str | None = None
+    ) -> None:
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         if finish_reason is not None:
             self.finish_reason = finish_reason
-            if finish_reason == "stop" and token_id != self.state.eos_token_id:
+            if stop_str is not None:
+                self.stop_reason = stop_str
+            elif finish_reason == "stop" and token_id != self.state.eos_token_id:
                 self.stop_reason = token_id
 
     def text(self) -> str:
-        """Decoded completion; like vLLM, the text of the token that stopped it is left out."""
+        """Decoded completion; like vLLM, the stop token's text or the stop string is left out."""
+        if isinstance(self.stop_reason, str):
+            full = self.state.tokenizer.decode(
+                self.token_ids, skip_special_tokens=self.job.req.skip_special_tokens
+            )
+            return full[: full.find(self.stop_reason)] if self.stop_reason in full else full
         ids = self.token_ids[:-1] if self.finish_reason == "stop" else self.token_ids
         return self.state.tokenizer.decode(ids, skip_special_tokens=self.job.req.skip_special_tokens)
 
     def text_delta(self) -> str:
-        """New text since the last call, holding back a trailing partial UTF-8 sequence until it completes."""
+        """New text since the last call, holding back a trailing partial UTF-8 sequence until it completes,
+        and, while stop strings may still match, the text that could be the start of one."""
         full = self.text()
-        if self.finish_reason is None and full.endswith("\ufffd"):
+        if self.finish_reason is None:
+            if full.endswith("\ufffd"):
+                return ""
+            hold = max((len(x) for x in self.job.params.stop), default=1) - 1
+            full = full[: len(full) - hold] if hold else full
+        if len(full) <= self.text_emitted:
             return ""
         delta = full[self.text_emitted :]
         self.text_emitted = len(full)
@@ -266,7 +289,10 @@ def _run_in_thread(
 ) -> asyncio.Future[list[Completion]]:
     loop = asyncio.get_running_loop()
     return loop.run_in_executor(
-        None, lambda: generate(state.model, job.prompt_ids, job.params, on_token, cancel=cancel)
+        None,
+        lambda: generate(
+            state.model, job.prompt_ids, job.params, on_token, cancel=cancel, detokenize=state.detokenize
+        ),
     )
 
 
@@ -277,7 +303,7 @@ async def _complete(state: EngineState, job: _Job) -> dict[str, Any]:
         out = _ChoiceOutput(state, job, i)
         for k, (token_id, logprob) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
             last = k == len(comp.token_ids) - 1
-            out.add(token_id, logprob, comp.finish_reason if last else None)
+            out.add(token_id, logprob, comp.finish_reason if last else None, comp.stop_str if last else None)
         choices.append(out.choice(text=out.text(), start=0, with_prompt=True))
     return {
         "id": job.request_id,
@@ -292,11 +318,11 @@ async def _complete(state: EngineState, job: _Job) -> dict[str, Any]:
 async def _stream(state: EngineState, job: _Job) -> AsyncIterator[str]:
     """SSE chunks, one per generated token per choice; a client disconnect cancels generation."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[int, int, float] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, int, float, str | None, str | None] | None] = asyncio.Queue()
     cancel = threading.Event()
 
-    def on_token(index: int, token_id: int, logprob: float) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (index, token_id, logprob))
+    def on_token(index: int, token_id: int, logprob: float, finish: str | None, stop_str: str | None) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (index, token_id, logprob, finish, stop_str))
 
     def on_done(fut: asyncio.Future[list[Completion]]) -> None:
         queue.put_nowait(None)
@@ -311,15 +337,11 @@ async def _stream(state: EngineState, job: _Job) -> AsyncIterator[str]:
     future.add_done_callback(on_done)
     outputs = [_ChoiceOutput(state, job, i) for i in range(job.params.n)]
     head = {"id": job.request_id, "object": "text_completion", "created": job.created, "model": state.name}
-    context = state.max_model_len
     try:
         while (item := await queue.get()) is not None:
-            index, token_id, logprob = item
+            index, token_id, logprob, finish, stop_str = item
             out = outputs[index]
-            finish = finish_reason_for(
-                token_id, len(out.token_ids) + 1, len(job.prompt_ids), job.params, context
-            )
-            out.add(token_id, logprob, finish)
+            out.add(token_id, logprob, finish, stop_str)
             start = len(out.token_ids) - 1
             choice = out.choice(text=out.text_delta(), start=start, with_prompt=start == 0)
             yield _sse({**head, "choices": [choice]})
