@@ -368,3 +368,23 @@ def test_malformed_json_is_400(engine: Engine) -> None:
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "BadRequestError" and error["param"] is None
+
+
+def test_load_weights_swaps_the_served_model_and_back(
+    engine: Engine, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    other = init_tiny(tmp_path_factory.mktemp("tiny-other") / "tiny", seed=1)
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    before = complete(engine, **body)["choices"][0]["token_ids"]
+    r = httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": str(other)}, timeout=60)
+    assert r.status_code == 200 and r.json()["loaded"] == str(other)
+    swapped = complete(engine, **body)["choices"][0]
+    expected = AutoModelForCausalLM.from_pretrained(other).eval()
+    logits = expected(torch.tensor([PROMPT])).logits[0, -1]
+    assert swapped["token_ids"][0] == int(torch.argmax(logits)) and swapped["token_ids"] != before
+    r = httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": str(tiny_model_dir)}, timeout=60)
+    assert r.status_code == 200
+    assert complete(engine, **body)["choices"][0]["token_ids"] == before
+    bad = httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": "/nonexistent"}, timeout=60)
+    assert bad.status_code == 400 and "cannot load weights" in bad.json()["error"]["message"]
+    assert complete(engine, **body)["choices"][0]["token_ids"] == before

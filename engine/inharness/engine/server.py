@@ -67,6 +67,14 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
 
 
+class LoadWeights(BaseModel):
+    """``POST /inharness/v1/load_weights``: replace the served weights by those saved in ``path``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: StrictStr
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -90,8 +98,10 @@ class EngineState:
     max_model_len: int
     eos_token_id: int | None
     extra_eos_ids: list[int] = field(default_factory=list)
+    device: str = "cpu"
     requests: int = 0
     aborted: int = 0
+    weight_loads: int = 0
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -108,10 +118,14 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def _load_model(model_dir: str, device: str) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+
 def _load(model_dir: str, served_model_name: str | None, device: str | None) -> EngineState:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    model = _load_model(model_dir, device)
     eos_ids: list[int] = []
     try:
         gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
@@ -128,6 +142,7 @@ def _load(model_dir: str, served_model_name: str | None, device: str | None) -> 
         max_model_len=int(model.config.max_position_embeddings),
         eos_token_id=primary,
         extra_eos_ids=[t for t in eos_ids if t != primary],
+        device=device,
     )
 
 
@@ -403,6 +418,22 @@ def create_app(model_dir: str, *, served_model_name: str | None = None, device: 
                 }
             ],
         }
+
+    @app.post("/inharness/v1/load_weights")
+    async def load_weights(req: LoadWeights) -> dict[str, Any]:
+        """Swap in new weights (same architecture and tokenizer). Requests already generating finish
+        on the weights they started with; the trainer pauses the gateway around this call so that
+        no harness call straddles two versions."""
+        loop = asyncio.get_running_loop()
+        try:
+            model = await loop.run_in_executor(None, _load_model, req.path, state.device)
+        except (OSError, ValueError) as exc:
+            raise BadRequest(f"cannot load weights from {req.path}: {exc}", "path") from exc
+        if model.config.vocab_size != state.model.config.vocab_size:
+            raise BadRequest("the new weights have a different vocabulary size", "path")
+        state.model, state.root = model, req.path
+        state.weight_loads += 1
+        return {"loaded": req.path, "weight_loads": state.weight_loads}
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest) -> JSONResponse | StreamingResponse:
