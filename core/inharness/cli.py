@@ -100,6 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     _gateway_parser(sub)
 
+    run = sub.add_parser(
+        "run", help="train locally from a spec file (TrainingRun + RolloutPool + HarnessSpec)"
+    )
+    run.add_argument("file", help="YAML with the TrainingRun, its RolloutPool and HarnessSpec")
+    run.add_argument("--out", default=None, help="output directory (default: ./runs/<TrainingRun name>)")
+    run.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+
     args = parser.parse_args(argv)
     if args.command == "model":
         from inharness.engine.tiny import init_tiny
@@ -114,6 +121,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "gateway":
         return _run_gateway(args)
+    if args.command == "run":
+        from pathlib import Path
+
+        from inharness.run import run_file
+
+        return run_file(Path(args.file), Path(args.out) if args.out else None, resume=args.resume)
     parser.error(f"unknown command {args.command}")
     return 2
 

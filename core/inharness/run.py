@@ -1,0 +1,221 @@
+"""`inharness run FILE.yaml`: the whole system on one machine, from the same spec a cluster takes.
+
+Starts the engine and the gateway (SQLite store in the output directory) on 127.0.0.1, the local
+rollout controller (one harness subprocess per attempt), and the training loop. Ctrl-C stops
+cleanly: harnesses are killed with their process groups, children are stopped, and everything
+finished is in the store and the last checkpoint; `--resume` continues from there.
+"""
+
+import asyncio
+import json
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from inharness.procs import ServerProcess, free_port
+
+
+class _Progress:
+    """Two progress bars (steps; rollouts of the batch being waited for) and one line per step."""
+
+    def __init__(self, steps: int, done: int, controller: Any) -> None:
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self.steps = tqdm(total=steps, initial=done, desc="steps", position=0, dynamic_ncols=True)
+        self.rollouts = tqdm(total=0, desc="rollouts", position=1, dynamic_ncols=True, leave=False)
+        self._controller = controller
+        self._batch = -1
+
+    def __call__(self, event: str, data: dict[str, Any]) -> None:
+        if event == "rollouts":
+            if data["batch"] != self._batch:
+                self._batch = data["batch"]
+                self.rollouts.reset(total=data["total"])
+                self.rollouts.set_description(f"rollouts of batch {data['batch']}")
+            self.rollouts.n = data["done"]
+            c = self._controller
+            self.rollouts.set_postfix(running=c.running, failed=c.failed, refresh=False)
+            self.rollouts.refresh()
+        elif event == "step":
+            self.steps.update(1)
+            self.steps.set_postfix(reward=f"{data['reward_mean']:.3f}", version=data["version"])
+            self._tqdm.write(
+                f"step {data['step']:>3}  reward {data['reward_mean']:.3f} ± {data['reward_std']:.3f}  "
+                f"samples {data['samples']:>3}  tokens {data['tokens']:>5}  "
+                f"loss {data.get('loss', float('nan')):+.4f}  "
+                f"rollout {data['time_rollout_s']:.1f}s  update {data['time_update_s']:.1f}s"
+            )
+
+    def close(self) -> None:
+        self.rollouts.close()
+        self.steps.close()
+
+
+async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, Any]) -> int:
+    from inharness.gateway.client import GatewayClient
+    from inharness.operator.rollouts.local import LocalRolloutController
+    from inharness.operator.specfile import load_specs, load_tasks
+    from inharness.trainer.loop import LoopConfig, LoopState, RunDir, TrainingLoop
+    from inharness.trainer.report import plot_rewards, read_metrics, summarize, summary_table
+    from inharness.trainer.torch_engine import TorchTrainingEngine, UpdateConfig
+
+    specs = load_specs(file, overrides=overrides)
+    tasks = load_tasks(specs)
+    run, pool, harness = specs.training_run, specs.rollout_pool, specs.harness
+    spec, algo = run.spec, run.spec.algorithm
+    rd = RunDir(out)
+    ckpt = rd.latest_checkpoint()
+    if ckpt is not None and not resume:
+        print(
+            f"inharness run: {out} already holds a run (checkpoint {ckpt.name}); pass --resume to continue "
+            "it or --out to start a new one",
+            file=sys.stderr,
+        )
+        return 2
+    rd.root.mkdir(parents=True, exist_ok=True)
+    model_path = Path(spec.model.path)
+    if not model_path.is_absolute():
+        model_path = specs.base_dir / model_path
+
+    import torch
+
+    torch.manual_seed(spec.seed)
+    policy = TorchTrainingEngine(
+        model_path,
+        learning_rate=algo.learning_rate,
+        dtype=spec.model.dtype,
+        seed=spec.seed,
+        kl_reference=algo.kl_coef > 0,
+    )
+    state = LoopState()
+    serve_path = model_path
+    if resume and ckpt is not None:
+        policy.load_checkpoint(ckpt / "policy")
+        state = LoopState.from_json(json.loads((ckpt / "state.json").read_text()))
+        serve_path = policy.save_pretrained(rd.weights / f"v{state.version}")
+        print(f"resuming {run.metadata.name} at step {state.step} (model version {state.version})")
+
+    admin = secrets.token_urlsafe(24)
+    eport, gport = free_port(), free_port()
+    engine = ServerProcess.inharness(
+        ["engine", "--model", str(serve_path), "--port", str(eport)],
+        port=eport,
+        log=rd.logs / "engine.log",
+        health="/health",
+    )
+    gateway = ServerProcess.inharness(
+        [
+            "gateway",
+            "--model",
+            str(model_path),
+            "--engine",
+            engine.url,
+            "--model-version",
+            str(state.version),
+            "--store",
+            f"sqlite:///{rd.root / 'gateway.db'}",
+            "--port",
+            str(gport),
+            "--admin-token",
+            admin,
+            "--max-attempts",
+            str(pool.spec.max_attempts_per_rollout),
+        ],
+        port=gport,
+        log=rd.logs / "gateway.log",
+        health="/healthz",
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    progress: _Progress | None = None
+    try:
+        await asyncio.to_thread(engine.start)
+        await asyncio.to_thread(gateway.start)
+        async with GatewayClient(gateway.url, admin) as gw:
+            await gw.register_version(state.version, [engine.url], activate=True)
+            controller = LocalRolloutController(
+                gw, gateway.url, pool.metadata.name, pool.spec, harness.spec, specs.base_dir, rd.attempts
+            )
+            config = LoopConfig(
+                run_name=run.metadata.name,
+                pool=pool.metadata.name,
+                steps=spec.steps,
+                batch_size=spec.batch_size,
+                group_size=algo.group_size,
+                max_attempts=pool.spec.max_attempts_per_rollout,
+                max_staleness=spec.scheduling.max_staleness,
+                checkpoint_interval=spec.checkpoint.interval,
+                checkpoint_keep=spec.checkpoint.keep,
+                seed=spec.seed,
+                max_tokens_per_sample=algo.max_tokens_per_sample,
+                update=UpdateConfig(
+                    estimator=algo.advantage_estimator,
+                    advantage_level=algo.advantage_level,
+                    loss_normalization=algo.loss_normalization,
+                    norm_by_std=algo.normalize_by_std,
+                    clip_low=algo.clip_ratio_low,
+                    clip_high=algo.clip_ratio_high,
+                    kl_coef=algo.kl_coef,
+                    temperature=spec.generation.temperature,
+                ),
+            )
+            progress = _Progress(spec.steps, state.step, controller)
+            training = TrainingLoop(
+                gateway=gw,
+                engine_urls=[engine.url],
+                policy=policy,
+                tasks=tasks,
+                config=config,
+                run_dir=rd,
+                state=state,
+                on_progress=progress,
+            )
+            rollouts = asyncio.create_task(controller.run(stop), name="rollouts")
+            try:
+                await training.run(stop)
+            finally:
+                stop.set()
+                await rollouts
+    finally:
+        if progress is not None:
+            progress.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        gateway.stop()
+        engine.stop()
+
+    metrics = read_metrics(rd.metrics)
+    if metrics:
+        plot_rewards(rd.reward_png, {run.metadata.name: metrics}, f"{run.metadata.name}: reward per step")
+        summary = summarize(metrics, wall_seconds=time.monotonic() - started)
+        rd.summary.write_text(json.dumps(summary, indent=2))
+        print(f"\n{run.metadata.name}: {out}\n{summary_table(summary)}")
+    if state.step < spec.steps:
+        print(
+            f"stopped at step {state.step} of {spec.steps}; "
+            f"continue with: inharness run {file} --out {out} --resume"
+        )
+        return 130
+    return 0
+
+
+def run_file(
+    file: Path, out: Path | None, *, resume: bool = False, overrides: dict[str, Any] | None = None
+) -> int:
+    from inharness.operator.specfile import SpecError, load_specs
+
+    try:
+        name = load_specs(file, overrides=overrides or {}).training_run.metadata.name
+    except SpecError as exc:
+        print(f"inharness run: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(
+        _train(file, out or Path.cwd() / "runs" / name, resume=resume, overrides=overrides or {})
+    )

@@ -1,0 +1,297 @@
+"""The training loop: enqueue batches of tasks, wait for their groups, train, publish the next version.
+
+It talks only to the gateway (rollout queue, export, model versions, serving pause) and to the
+engines' weight-load endpoint, so the same loop drives rollouts that run as local processes or as
+pods. Every batch it creates is journalled before it waits for it, and a checkpoint records the
+step, the model version and the export cursor: a resumed run re-creates nothing and loses nothing.
+
+Scheduling: `max_staleness` K = 0 is synchronous (batch k is created after version k is served);
+K ≥ 1 keeps up to K later batches running while batch k trains, so a sample may come from a
+version up to K behind the one it updates (each sample records its versions; `staleness_max`).
+"""
+
+import asyncio
+import json
+import math
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from inharness.gateway.client import GatewayClient
+from inharness.gateway.schema import ExportedRollout
+from inharness.trainer.report import append_metrics, truncate_metrics
+from inharness.trainer.samples import Sample, build_batch
+
+
+class Policy(Protocol):
+    """The training engine as the loop sees it (torch on CPU today, verl on GPUs later)."""
+
+    def update(self, samples: list[Sample], config: Any) -> dict[str, float]: ...
+    def save_pretrained(self, out_dir: Path) -> Path: ...
+    def save_checkpoint(self, out_dir: Path) -> None: ...
+    def load_checkpoint(self, in_dir: Path) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    run_name: str
+    pool: str
+    steps: int
+    batch_size: int
+    group_size: int
+    max_attempts: int
+    max_staleness: int
+    checkpoint_interval: int
+    checkpoint_keep: int
+    seed: int
+    max_tokens_per_sample: int | None
+    update: Any  # the policy's update configuration, passed through
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint stores besides the policy; `journal` maps batch -> its rollout ids."""
+
+    step: int = 0  # next step to train
+    version: int = 0  # model version being served
+    cursor: int = 0  # export cursor: every finished rollout at or before it has been seen
+    journal: dict[int, list[str]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "journal": {str(k): v for k, v in self.journal.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LoopState":
+        return cls(
+            step=data["step"],
+            version=data["version"],
+            cursor=data["cursor"],
+            journal={int(k): v for k, v in data["journal"].items()},
+        )
+
+
+class RunDir:
+    """The layout of a run's output directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.metrics = root / "metrics.jsonl"
+        self.reward_png = root / "reward.png"
+        self.summary = root / "summary.json"
+        self.checkpoints = root / "checkpoints"
+        self.weights = root / "weights"
+        self.journal = root / "journal.jsonl"
+        self.logs = root / "logs"
+        self.attempts = root / "attempts"
+
+    def latest_checkpoint(self) -> Path | None:
+        done = sorted(
+            (p for p in self.checkpoints.glob("step-*") if (p / "state.json").exists()),
+            key=lambda p: int(p.name.split("-")[1]),
+        )
+        return done[-1] if done else None
+
+
+def batch_tasks(tasks: list[Any], batch: int, batch_size: int, seed: int) -> list[Any]:
+    """Batch k's tasks: consecutive slices of one seeded shuffle per epoch, the same on every run."""
+    out: list[Any] = []
+    start = batch * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), len(tasks))
+        order = list(range(len(tasks)))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.append(tasks[order[offset]])
+    return out
+
+
+class TrainingLoop:
+    def __init__(
+        self,
+        *,
+        gateway: GatewayClient,
+        engine_urls: list[str],
+        policy: Policy,
+        tasks: list[Any],
+        config: LoopConfig,
+        run_dir: RunDir,
+        state: LoopState,
+        on_progress: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.gw = gateway
+        self.engine_urls = engine_urls
+        self.policy = policy
+        self.tasks = tasks
+        self.cfg = config
+        self.dir = run_dir
+        self.state = state
+        self._progress = on_progress or (lambda _event, _data: None)
+        self._finished: dict[str, ExportedRollout] = {}  # finished rollouts of batches not yet trained
+        self._read_cursor = state.cursor
+
+    async def run(self, stop: asyncio.Event) -> None:
+        truncate_metrics(self.dir.metrics, before_step=self.state.step)
+        start = time.monotonic()
+        while self.state.step < self.cfg.steps and not stop.is_set():
+            step = self.state.step
+            t0 = time.monotonic()
+            await self._enqueue_up_to(min(step + self.cfg.max_staleness, self.cfg.steps - 1))
+            rollouts = await self._wait_for_batch(step, stop)
+            if rollouts is None:
+                return
+            t1 = time.monotonic()
+            samples, stats = build_batch(rollouts, max_tokens=self.cfg.max_tokens_per_sample)
+            trainable = [s for s in samples if s.reward is not None]
+            update: dict[str, float] = {}
+            if trainable:
+                update = await asyncio.to_thread(self.policy.update, trainable, self.cfg.update)
+            t2 = time.monotonic()
+            await self._publish(self.state.version + 1)
+            t3 = time.monotonic()
+            for r in rollouts:
+                self._finished.pop(r.rollout.id, None)
+            self.state.step += 1
+            self.state.cursor = self._safe_cursor()
+            metrics = self._metrics(step, rollouts, trainable, stats, update, (t0, t1, t2, t3), start)
+            append_metrics(self.dir.metrics, metrics)
+            self._progress("step", metrics)
+            last = self.state.step == self.cfg.steps
+            if last or self.state.step % self.cfg.checkpoint_interval == 0:
+                await asyncio.to_thread(self.checkpoint)
+
+    # -- rollouts ----------------------------------------------------------------------------
+
+    async def _enqueue_up_to(self, last_batch: int) -> None:
+        for batch in range(self.state.step, last_batch + 1):
+            if batch in self.state.journal:
+                continue
+            tasks = batch_tasks(self.tasks, batch, self.cfg.batch_size, self.cfg.seed)
+            created = await self.gw.create_rollouts(
+                tasks,
+                group_size=self.cfg.group_size,
+                labels={"run": self.cfg.run_name, "batch": str(batch)},
+                pool=self.cfg.pool,
+                max_attempts=self.cfg.max_attempts,
+            )
+            self.state.journal[batch] = [r.id for r in created]
+            with self.dir.journal.open("a") as f:
+                f.write(json.dumps({"batch": batch, "rollouts": self.state.journal[batch]}) + "\n")
+            self._progress("enqueued", {"batch": batch, "rollouts": len(created)})
+
+    async def _wait_for_batch(self, batch: int, stop: asyncio.Event) -> list[ExportedRollout] | None:
+        wanted = self.state.journal[batch]
+        wanted_set = set(wanted)
+        pending = {b: set(ids) for b, ids in self.state.journal.items() if b >= self.state.step}
+        delay = 0.05
+        while not stop.is_set():
+            async for item in self.gw.export(after=self._read_cursor):
+                self._read_cursor = item.cursor
+                if any(item.rollout.id in ids for ids in pending.values()):
+                    self._finished[item.rollout.id] = item
+            done = sum(1 for i in wanted if i in self._finished)
+            self._progress("rollouts", {"batch": batch, "done": done, "total": len(wanted)})
+            if wanted_set <= self._finished.keys():
+                return [self._finished[i] for i in wanted]
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except TimeoutError:
+                delay = min(delay * 1.5, 0.5)
+        return None
+
+    def _safe_cursor(self) -> int:
+        """The export cursor a resumed run may start from without missing a rollout it still needs."""
+        waiting = [r.cursor for r in self._finished.values()]
+        return min(waiting) - 1 if waiting else self._read_cursor
+
+    # -- versions ----------------------------------------------------------------------------
+
+    async def _publish(self, version: int) -> None:
+        """Serve the updated weights as `version`; harness calls wait in the gateway meanwhile."""
+        path = await asyncio.to_thread(self.policy.save_pretrained, self.dir.weights / f"v{version}")
+        await self.gw.pause(drain_seconds=60)
+        try:
+            async with aiohttp.ClientSession() as session:
+                for url in self.engine_urls:
+                    async with session.post(
+                        f"{url}/inharness/v1/load_weights", json={"path": str(path)}
+                    ) as r:
+                        if r.status != 200:
+                            raise RuntimeError(
+                                f"engine {url} refused the weights of version {version}: {await r.text()}"
+                            )
+            await self.gw.register_version(version, self.engine_urls, activate=True)
+        finally:
+            await self.gw.resume()
+        self.state.version = version
+        stale = self.dir.weights / f"v{version - 2}"
+        if stale.exists():
+            shutil.rmtree(stale)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def checkpoint(self) -> Path:
+        target = self.dir.checkpoints / f"step-{self.state.step}"
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.policy.save_checkpoint(tmp / "policy")
+        (tmp / "state.json").write_text(json.dumps(self.state.to_json()))
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)  # a checkpoint is complete or absent, never half-written
+        kept = sorted(
+            self.dir.checkpoints.glob("step-*"), key=lambda p: int(p.name.split("-")[1].split(".")[0])
+        )
+        for old in kept[: -self.cfg.checkpoint_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def _metrics(
+        self,
+        step: int,
+        rollouts: list[ExportedRollout],
+        samples: list[Sample],
+        stats: Any,
+        update: dict[str, float],
+        times: tuple[float, float, float, float],
+        start: float,
+    ) -> dict[str, Any]:
+        ok = [
+            r.rollout.reward
+            for r in rollouts
+            if r.rollout.status == "succeeded" and r.rollout.reward is not None
+        ]
+        mean = sum(ok) / len(ok) if ok else math.nan
+        std = math.sqrt(sum((x - mean) ** 2 for x in ok) / len(ok)) if ok else math.nan
+        calls = [c for r in rollouts for c in r.calls]
+        versions = [v for s in samples for v in s.model_versions]
+        t0, t1, t2, t3 = times
+        return {
+            "step": step,
+            "version": self.state.version,
+            "reward_mean": mean,
+            "reward_std": std,
+            "accuracy": sum(1 for x in ok if x >= 1.0) / len(ok) if ok else math.nan,
+            "rollouts": len(rollouts),
+            "failed_rollouts": sum(1 for r in rollouts if r.rollout.status == "failed"),
+            "calls": len(calls),
+            "samples": len(samples),
+            "tokens": sum(s.num_generated_tokens for s in samples),
+            "merged_turn_ratio": stats.merged_turn_ratio,
+            "splits": dict(stats.splits),
+            "prefix_mismatches": sum(1 for c in calls if c.prefix_mismatch),
+            # trained on version - 1 (the update just published `version`)
+            "staleness_max": (self.state.version - 1 - min(versions)) if versions else 0,
+            **{k: update[k] for k in sorted(update)},
+            "time_rollout_s": t1 - t0,
+            "time_update_s": t2 - t1,
+            "time_publish_s": t3 - t2,
+            "time_step_s": t3 - t0,
+            "wall_s": t3 - start,
+        }
