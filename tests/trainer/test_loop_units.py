@@ -1,0 +1,46 @@
+"""Pure parts of the training loop and its report: task batching, checkpoint state, metrics files."""
+
+import json
+from pathlib import Path
+
+from inharness.trainer.loop import LoopState, RunDir, batch_tasks
+from inharness.trainer.report import append_metrics, fifth_means, plot_rewards, read_metrics, truncate_metrics
+
+
+def test_batches_are_deterministic_and_cover_each_epoch_once() -> None:
+    tasks = list(range(10))
+    first = [batch_tasks(tasks, b, 4, seed=3) for b in range(5)]
+    assert first == [batch_tasks(tasks, b, 4, seed=3) for b in range(5)]
+    flat = [t for b in first for t in b]
+    assert sorted(flat[:10]) == tasks and sorted(flat[10:20]) == tasks
+    assert batch_tasks(tasks, 0, 4, seed=4) != first[0]
+
+
+def test_loop_state_round_trips_through_json() -> None:
+    state = LoopState(step=3, version=3, cursor=17, journal={0: ["a"], 3: ["b", "c"]})
+    assert LoopState.from_json(json.loads(json.dumps(state.to_json()))) == state
+
+
+def test_latest_checkpoint_ignores_incomplete_ones(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    for n in (2, 10):
+        (rd.checkpoints / f"step-{n}").mkdir(parents=True)
+        (rd.checkpoints / f"step-{n}" / "state.json").write_text("{}")
+    (rd.checkpoints / "step-12.tmp").mkdir()
+    (rd.checkpoints / "step-11").mkdir()
+    assert rd.latest_checkpoint() == rd.checkpoints / "step-10"
+
+
+def test_resume_truncates_metrics_of_redone_steps(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    for step in range(5):
+        append_metrics(path, {"step": step, "reward_mean": step / 4, "reward_std": 0.1})
+    truncate_metrics(path, before_step=3)
+    assert [m["step"] for m in read_metrics(path)] == [0, 1, 2]
+    plot_rewards(tmp_path / "r.png", {"run": read_metrics(path)}, "t")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fifth_means_use_at_least_one_step() -> None:
+    assert fifth_means([0.0, 1.0]) == (0.0, 1.0)
+    assert fifth_means([0.0] * 5 + [1.0] * 5) == (0.0, 1.0)
