@@ -1,0 +1,328 @@
+"""CPU training engine: on-policy start, the sign of the update, exact gradient accumulation, masking,
+checkpoint/resume, export, KL to the reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from inharness.engine.sampling import SamplingParams, generate
+from inharness.engine.tiny import init_tiny
+from inharness.trainer.samples import Sample
+from inharness.trainer.torch_engine import TorchTrainingEngine, UpdateConfig, pack_by_token_budget
+
+VOCAB = 3000  # below the tiny tokenizer's special and markup ids
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """The tiny model gains nothing from intra-op threads, and two threads on a shared 2-core machine
+    spin against other processes and run ~10x slower; restored afterwards for other modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_tiny(tmp_path_factory.mktemp("torch_engine") / "base", seed=0)
+
+
+def _sample(
+    rollout: str, group: str, reward: float, parts: list[tuple[int, bool]], rng: random.Random
+) -> Sample:
+    """Random tokens in spans of (length, generated); the first span must be prompt."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for length, generated in parts:
+        ids.extend(rng.randrange(VOCAB) for _ in range(length))
+        mask.extend([int(generated)] * length)
+    return Sample(
+        rollout_id=rollout,
+        group_id=group,
+        call_ids=[0],
+        input_ids=ids,
+        loss_mask=mask,
+        behaviour_logprobs=[0.0] * len(ids),
+        model_versions=[0],
+        reward=reward,
+        num_prompt_tokens=parts[0][0],
+    )
+
+
+def _with_behaviour(engine: TorchTrainingEngine, samples: list[Sample], temperature: float) -> list[Sample]:
+    """Copies of ``samples`` whose behaviour logprobs are the engine's current ones (0 off the mask, as
+    the adapter stores them), i.e. as if just sampled from the served weights."""
+    out = copy.deepcopy(samples)
+    for s, lp in zip(out, engine.logprobs(out, temperature=temperature), strict=True):
+        s.behaviour_logprobs = [0.0] + [
+            v if m else 0.0 for v, m in zip(lp.tolist(), s.loss_mask[1:], strict=True)
+        ]
+    return out
+
+
+@pytest.fixture(scope="module")
+def raw_samples() -> list[Sample]:
+    """2 groups x 2 rollouts; rollout b0 was split into 2 samples, one of them multi-turn (a tool result
+    between two generated spans)."""
+    rng = random.Random(0)
+    return [
+        _sample("a0", "ga", 1.0, [(12, False), (20, True)], rng),
+        _sample("a1", "ga", 0.0, [(12, False), (26, True)], rng),
+        _sample("b0", "gb", 1.0, [(9, False), (10, True), (6, False), (14, True)], rng),
+        _sample("b0", "gb", 1.0, [(30, False), (9, True)], rng),
+        _sample("b1", "gb", 0.0, [(9, False), (18, True)], rng),
+    ]
+
+
+@pytest.fixture(scope="module")
+def samples(model_dir: Path, raw_samples: list[Sample]) -> list[Sample]:
+    return _with_behaviour(TorchTrainingEngine(model_dir, learning_rate=0.0), raw_samples, 1.0)
+
+
+def _grads(engine: TorchTrainingEngine) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
+
+
+def _params(engine: TorchTrainingEngine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+
+def _mean_generated_logprob(engine: TorchTrainingEngine, s: Sample) -> float:
+    (lp,) = engine.logprobs([s], temperature=1.0)
+    m = torch.tensor(s.loss_mask[1:], dtype=torch.bool)
+    return float(lp[m].mean())
+
+
+def test_pack_by_token_budget_bounds_padded_size() -> None:
+    lengths = [5, 30, 10, 40, 70]
+    batches = pack_by_token_budget(lengths, 64)
+    assert batches == [[4], [3], [1, 2], [0]]
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert pack_by_token_budget(lengths, 10_000) == [[4, 3, 1, 2, 0]]
+
+
+def test_logprobs_match_the_inference_engines_sampling_logprobs(model_dir: Path) -> None:
+    """The quantity trained on is the one the engine reports: log_softmax(logits / T) at each token."""
+    engine = TorchTrainingEngine(model_dir, learning_rate=0.0)
+    rng = random.Random(1)
+    for temperature, n_prompt in ((0.7, 15), (0.0, 40)):
+        prompt = [rng.randrange(VOCAB) for _ in range(n_prompt)]
+        params = SamplingParams(max_tokens=12, temperature=temperature, seed=3, n=2)
+        completions = generate(engine.model, prompt, params)
+        batch = [
+            Sample("r", "g", [0], prompt + c.token_ids, [0] * n_prompt + [1] * len(c.token_ids),
+                   [0.0] * n_prompt + c.logprobs, [0], 1.0, n_prompt)
+            for c in completions
+        ]  # fmt: skip
+        for s, lp in zip(batch, engine.logprobs(batch, temperature=temperature), strict=True):
+            assert lp.dtype == torch.float32 and lp.shape == (len(s.input_ids) - 1,)
+            torch.testing.assert_close(lp[n_prompt - 1 :], torch.tensor(s.behaviour_logprobs[n_prompt:]))
+
+
+def test_right_padding_does_not_change_logprobs(model_dir: Path, raw_samples: list[Sample]) -> None:
+    """Batches are right-padded without an attention mask; each row must score as if alone."""
+    engine = TorchTrainingEngine(model_dir, learning_rate=0.0)
+    batched = engine.logprobs(raw_samples, temperature=0.7)
+    for s, lp in zip(raw_samples, batched, strict=True):
+        (alone,) = engine.logprobs([s], temperature=0.7)
+        torch.testing.assert_close(lp, alone, rtol=0, atol=1e-5)
+
+
+def test_first_update_is_on_policy(model_dir: Path, samples: list[Sample]) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
+    m = engine.update(samples, UpdateConfig())
+    assert m["logprob_mismatch"] < 1e-5
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert m["clip_frac"] == 0.0
+    assert m["tokens"] == sum(s.num_generated_tokens for s in samples)
+    assert m["samples"] == len(samples) and m["microbatches"] == 1 and m["step"] == 1 == engine.step
+    assert m["loss"] == m["pg_loss"] and "kl" not in m
+    assert 0 < m["entropy"] <= math.log(engine.model.config.vocab_size) + 1e-4
+    assert m["advantage_std"] > 0 and m["grad_norm"] > 0
+    assert all(math.isfinite(v) for v in m.values())
+    # The step changed the policy, so the same samples now lag behind it.
+    assert engine.update(samples, UpdateConfig())["logprob_mismatch"] > 1e-4
+    # Training logprobs use the sampling temperature, so samples drawn at 0.7 are on-policy at 0.7 too.
+    hot = _with_behaviour(engine, samples, 0.7)
+    assert engine.update(hot, UpdateConfig(temperature=0.7))["logprob_mismatch"] < 1e-5
+
+
+def test_updates_raise_positive_and_lower_negative_advantage_samples(
+    model_dir: Path, raw_samples: list[Sample]
+) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
+    before = [_mean_generated_logprob(engine, s) for s in raw_samples]
+    for _ in range(3):
+        engine.update(_with_behaviour(engine, raw_samples, 1.0), UpdateConfig())
+    after = [_mean_generated_logprob(engine, s) for s in raw_samples]
+    for s, b, a in zip(raw_samples, before, after, strict=True):
+        assert (a > b + 1e-3) if s.reward == 1.0 else (a < b - 1e-3), (s.rollout_id, b, a)
+
+
+@pytest.mark.parametrize(
+    ("normalization", "level", "estimator"),
+    [("token", "rollout", "grpo"), ("sample", "sample", "rloo"), ("rollout", "rollout", "grpo")],
+)
+def test_token_budget_accumulation_equals_full_batch_gradient(
+    model_dir: Path, samples: list[Sample], normalization: str, level: str, estimator: str
+) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=0.0, kl_reference=True)
+    # Off-policy behaviour logprobs, so ratios differ from 1 and some tokens clip.
+    shifted = copy.deepcopy(samples)
+    rng = random.Random(2)
+    for s in shifted:
+        s.behaviour_logprobs = [
+            v + rng.uniform(-0.3, 0.3) if m else 0.0
+            for v, m in zip(s.behaviour_logprobs, s.loss_mask, strict=True)
+        ]
+
+    def run(budget: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        config = UpdateConfig(
+            estimator=estimator,  # type: ignore[arg-type]
+            advantage_level=level,  # type: ignore[arg-type]
+            loss_normalization=normalization,  # type: ignore[arg-type]
+            kl_coef=0.1,
+            max_tokens_per_microbatch=budget,
+            grad_clip=None,
+        )
+        return engine.update(shifted, config), _grads(engine)
+
+    full_metrics, full = run(100_000)
+    micro_metrics, micro = run(64)
+    assert full_metrics["microbatches"] == 1 and micro_metrics["microbatches"] == 4
+    assert full_metrics["clip_frac"] > 0
+    assert full.keys() == micro.keys()
+    for name in full:
+        torch.testing.assert_close(micro[name], full[name], rtol=0, atol=1e-5, msg=name)
+    for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl", "ratio_mean", "grad_norm"):
+        assert micro_metrics[key] == pytest.approx(full_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_masked_tokens_have_no_influence(model_dir: Path, samples: list[Sample]) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=0.0)
+    config = UpdateConfig(grad_clip=None)
+    metrics, grads = engine.update(samples, config), _grads(engine)
+    changed = copy.deepcopy(samples)
+    for s in changed:
+        s.behaviour_logprobs = [
+            v if m else -50.0 for v, m in zip(s.behaviour_logprobs, s.loss_mask, strict=True)
+        ]
+    again = engine.update(changed, config)
+    assert {k: v for k, v in again.items() if k != "step"} == {
+        k: v for k, v in metrics.items() if k != "step"
+    }
+    for name, g in _grads(engine).items():
+        assert torch.equal(g, grads[name]), name
+
+
+def test_samples_without_generated_tokens_are_skipped(model_dir: Path, samples: list[Sample]) -> None:
+    """A prompt-only sample of an existing rollout changes neither advantages nor weights, so nothing."""
+    engine = TorchTrainingEngine(model_dir, learning_rate=0.0)
+    config = UpdateConfig(grad_clip=None)
+    metrics, grads = engine.update(samples, config), _grads(engine)
+    prompt_only = copy.deepcopy(samples[0])
+    prompt_only.loss_mask = [0] * len(prompt_only.input_ids)
+    again = engine.update([*samples, prompt_only], config)
+    assert again["samples"] == len(samples) + 1 and again["tokens"] == metrics["tokens"]
+    assert again["pg_loss"] == metrics["pg_loss"] and again["microbatches"] == metrics["microbatches"]
+    for name, g in _grads(engine).items():
+        assert torch.equal(g, grads[name]), name
+
+
+def test_checkpoint_resume_continues_identically(
+    model_dir: Path, samples: list[Sample], tmp_path: Path
+) -> None:
+    config = UpdateConfig(kl_coef=0.05)
+    first = TorchTrainingEngine(model_dir, learning_rate=1e-3, weight_decay=0.01, kl_reference=True)
+    first.update(samples, config)
+    first.save_checkpoint(tmp_path / "ckpt")
+    rng_at_save = torch.get_rng_state()
+    expected_metrics = first.update(samples, config)
+
+    torch.manual_seed(123)
+    resumed = TorchTrainingEngine(model_dir, learning_rate=1e-3, weight_decay=0.01, kl_reference=True, seed=5)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.step == 1 and torch.equal(torch.get_rng_state(), rng_at_save)
+    metrics = resumed.update(samples, config)
+    assert metrics == pytest.approx(expected_metrics, rel=1e-6, abs=1e-6)
+    expected = _params(first)
+    for name, p in _params(resumed).items():
+        torch.testing.assert_close(p, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_incomplete_checkpoint_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "trainer_state.json").unlink()
+    with pytest.raises(FileNotFoundError):
+        engine.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_save_pretrained_loads_with_same_logits(
+    model_dir: Path, samples: list[Sample], tmp_path: Path
+) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
+    engine.update(samples, UpdateConfig())
+    out = engine.save_pretrained(tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([samples[0].input_ids])
+    with torch.no_grad():
+        got, want, old = (m(input_ids=ids).logits for m in (loaded, engine.model, base))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert not torch.allclose(got, old, atol=1e-4)
+    assert AutoTokenizer.from_pretrained(out).encode("hello world") == AutoTokenizer.from_pretrained(
+        model_dir
+    ).encode("hello world")
+    assert (
+        GenerationConfig.from_pretrained(out).eos_token_id
+        == GenerationConfig.from_pretrained(model_dir).eos_token_id
+    )
+
+
+def test_kl_to_reference_starts_at_zero_and_grows(model_dir: Path, raw_samples: list[Sample]) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3, kl_reference=True)
+    config = UpdateConfig(kl_coef=0.5)
+    kls = []
+    for _ in range(3):
+        m = engine.update(_with_behaviour(engine, raw_samples, 1.0), config)
+        assert m["kl"] >= 0 and m["loss"] == pytest.approx(m["pg_loss"] + 0.5 * m["kl"], abs=1e-7)
+        assert m["logprob_mismatch"] < 1e-5
+        kls.append(m["kl"])
+    assert kls[0] == pytest.approx(0.0, abs=1e-7)
+    assert kls[2] > kls[1] > 1e-6
+
+
+def test_bfloat16_update_runs_with_float32_master_weights(model_dir: Path, samples: list[Sample]) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3, dtype="bfloat16")
+    m = engine.update(samples, UpdateConfig())
+    assert all(math.isfinite(v) for v in m.values())
+    assert m["logprob_mismatch"] < 0.1  # bf16 forward vs the fp32 behaviour logprobs
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+
+
+def test_invalid_inputs_are_rejected(model_dir: Path, samples: list[Sample]) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
+    with pytest.raises(ValueError, match="kl_reference"):
+        engine.update(samples, UpdateConfig(kl_coef=0.1))
+    bad = copy.deepcopy(samples[:1])
+    bad[0].loss_mask[0] = 1
+    with pytest.raises(ValueError, match="position 0"):
+        engine.update(bad, UpdateConfig())
+    prompt_only = copy.deepcopy(samples[:1])
+    prompt_only[0].loss_mask = [0] * len(prompt_only[0].input_ids)
+    with pytest.raises(ValueError, match="no generated tokens"):
+        engine.update(prompt_only, UpdateConfig())
+    with pytest.raises(ValueError, match="loss_normalization"):
+        UpdateConfig(loss_normalization="batch")  # type: ignore[arg-type]
+    assert engine.step == 0

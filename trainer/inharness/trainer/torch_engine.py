@@ -1,0 +1,404 @@
+"""The CPU training engine: RL updates on recorded samples with plain PyTorch + transformers.
+
+The interface is kept narrow (load, logprobs, update, export weights, checkpoint) so that a GPU engine
+can implement the same methods and the training loop need not know which one it drives.
+
+Alignment: causal-LM logits at position ``j`` score token ``input_ids[j + 1]``, so every per-token tensor
+here lives in *target space* of ``len(input_ids) - 1`` columns: column ``j`` is token ``input_ids[j + 1]``
+with ``loss_mask[j + 1]`` and ``behaviour_logprobs[j + 1]`` (position 0 is a prompt token and is never
+scored). Shapes: ``B`` samples, ``W`` padded sequence length, ``V`` vocabulary.
+
+Batches are right-padded and fed without an attention mask: under causal attention a real token never
+attends to the padding after it, so its logits are those of the unpadded sequence, and the forward pass
+takes the same path as the inference engine's (which also runs without a mask).
+
+Dropout is never active (the model stays in eval mode): the PPO ratio must be exactly 1 on freshly served
+weights, and the inference engine samples without dropout.
+
+Precision: weights and AdamW state are always float32. ``dtype="bfloat16"`` runs the forward passes under
+``torch.autocast`` in bfloat16 (fp32 master weights, since updates of ``lr * ~1`` on bfloat16 weights would
+mostly round away); logprobs, losses and entropies are computed from logits upcast to float32 either way.
+``save_pretrained`` exports the float32 weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from inharness.trainer.algorithms import (
+    AdvantageEstimator,
+    AdvantageLevel,
+    LossAggregation,
+    aggregate_loss,
+    clipped_policy_loss,
+    kl_penalty,
+    loss_weights,
+    token_advantages,
+    token_entropy,
+)
+from inharness.trainer.samples import Sample, index_rollouts
+
+Dtype = Literal["float32", "bfloat16"]
+
+_CHECKPOINT_FORMAT = 1
+_STATE_FILE = "trainer_state.json"  # written last: its presence marks a complete checkpoint
+_PAD_ID = 0  # any valid id: right padding is never attended to by real tokens and never scored
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """How one `TorchTrainingEngine.update` turns a batch of samples into one optimizer step.
+
+    ``estimator``, ``advantage_level``, ``norm_by_std``: outcome advantages (see
+    `algorithms.token_advantages`). ``loss_normalization``: how token losses are weighed against each other
+    over the whole batch (see `algorithms.loss_weights`). ``clip_low`` / ``clip_high``: PPO ratio clip
+    range. ``kl_coef``: weight of the k3 KL to the reference model (needs ``kl_reference=True``).
+    ``temperature``: the *sampling* temperature, so that training logprobs are the behaviour logprobs'
+    quantity (0, greedy, means temperature-1 logits, as in the inference engine).
+    ``max_tokens_per_microbatch``: padded tokens per forward pass (gradient accumulation bounds memory, not
+    the result). ``grad_clip``: max global gradient norm, None for no clipping.
+    """
+
+    estimator: AdvantageEstimator = "grpo"
+    advantage_level: AdvantageLevel = "rollout"
+    loss_normalization: LossAggregation = "token"
+    norm_by_std: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    max_tokens_per_microbatch: int = 4096
+    grad_clip: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("estimator", AdvantageEstimator),
+            ("advantage_level", AdvantageLevel),
+            ("loss_normalization", LossAggregation),
+        ):
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(f"{name} must be one of {get_args(kind)}, got {getattr(self, name)!r}")
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError("clip_low and clip_high must be non-negative")
+        if self.kl_coef < 0:
+            raise ValueError("kl_coef must be non-negative")
+        if self.temperature < 0:
+            raise ValueError("temperature must be non-negative")
+        if self.max_tokens_per_microbatch < 1:
+            raise ValueError("max_tokens_per_microbatch must be at least 1")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError("grad_clip must be positive or None")
+
+
+def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group indices of ``lengths`` into micro-batches whose padded size (rows x longest row) is at most
+    ``budget``. Longest first, so rows of a micro-batch have similar lengths (little padding) and the
+    largest forward pass (peak memory) comes first; a row longer than the budget gets a micro-batch alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _check_samples(samples: Sequence[Sample]) -> None:
+    for k, s in enumerate(samples):
+        n = len(s.input_ids)
+        if n == 0:
+            raise ValueError(f"sample {k} ({s.rollout_id}) has no tokens")
+        if len(s.loss_mask) != n or len(s.behaviour_logprobs) != n:
+            raise ValueError(
+                f"sample {k} ({s.rollout_id}): {n} input ids but {len(s.loss_mask)} mask entries and "
+                f"{len(s.behaviour_logprobs)} behaviour logprobs"
+            )
+        if s.loss_mask[0]:
+            raise ValueError(f"sample {k} ({s.rollout_id}): position 0 has no prefix and cannot be trained")
+
+
+def _pad_ids(samples: Sequence[Sample]) -> Tensor:
+    """Right-padded ``input_ids`` ``[b, W]`` (long), ``W`` the longest sample."""
+    width = max(len(s.input_ids) for s in samples)
+    ids = torch.full((len(samples), width), _PAD_ID, dtype=torch.long)
+    for row, s in enumerate(samples):
+        ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids, dtype=torch.long)
+    return ids
+
+
+def _target_space(samples: Sequence[Sample]) -> tuple[Tensor, Tensor]:
+    """(mask, behaviour) ``[B, W - 1]`` float32 in target space. Behaviour logprobs off the mask are set
+    to 0, so whatever a sample stores at prompt or tool positions cannot reach the loss or the metrics."""
+    cols = max(len(s.input_ids) for s in samples) - 1
+    mask = torch.zeros((len(samples), cols), dtype=torch.float32)
+    behaviour = torch.zeros((len(samples), cols), dtype=torch.float32)
+    for row, s in enumerate(samples):
+        n = len(s.input_ids) - 1
+        if n > 0:
+            m = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+            mask[row, :n] = m
+            behaviour[row, :n] = torch.tensor(s.behaviour_logprobs[1:], dtype=torch.float32) * m
+    return mask, behaviour
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TorchTrainingEngine:
+    """A policy (and optional frozen reference) with AdamW, trained by PPO-style outcome-reward updates.
+
+    ``model`` is public for inspection; after `update` its ``.grad`` holds that step's (clipped) gradient
+    until the next update. ``step`` counts optimizer steps. ``seed`` seeds the process-wide torch, Python
+    and NumPy RNGs, which the engine treats as its own (checkpoints save and restore them);
+    ``torch.set_num_threads`` is left to the caller.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        learning_rate: float,
+        dtype: Dtype = "float32",
+        seed: int = 0,
+        weight_decay: float = 0.0,
+        kl_reference: bool = False,
+    ) -> None:
+        if dtype not in get_args(Dtype):
+            raise ValueError(f"dtype must be one of {get_args(Dtype)}, got {dtype!r}")
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        self.model_dir = Path(model_dir)
+        self.dtype: Dtype = dtype
+        self.step = 0
+        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+        self.device = next(self.model.parameters()).device
+        # The reference is the weights of model_dir as loaded, so a resumed run rebuilds it from there.
+        self.reference: PreTrainedModel | None = None
+        if kl_reference:
+            self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=learning_rate, weight_decay=weight_decay
+        )
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.dtype == "bfloat16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, model: PreTrainedModel, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+        """ids ``[b, W]`` -> (logprobs ``[b, W - 1]`` of ``ids[:, 1:]``, scaled logits ``[b, W - 1, V]``),
+        both float32: ``log_softmax(logits.float() / temperature)`` at each next token, the inference
+        engine's convention (temperature 0 = greedy = temperature 1)."""
+        with self._autocast():
+            logits = model(input_ids=ids.to(self.device), use_cache=False).logits
+        x = logits[:, :-1].float()
+        if temperature not in (0.0, 1.0):
+            x = x / temperature
+        target = ids[:, 1:].to(x.device).unsqueeze(-1)
+        return x.gather(-1, target).squeeze(-1) - x.logsumexp(dim=-1), x
+
+    def _microbatches(self, samples: Sequence[Sample], budget: int) -> Iterator[tuple[list[int], Tensor]]:
+        for rows in pack_by_token_budget([len(s.input_ids) for s in samples], budget):
+            yield rows, _pad_ids([samples[i] for i in rows])
+
+    @torch.no_grad()
+    def logprobs(
+        self, samples: Sequence[Sample], *, temperature: float, max_tokens_per_microbatch: int = 4096
+    ) -> list[Tensor]:
+        """Current-policy logprobs of every sample's ``input_ids[1:]`` given its prefix: one float32
+        tensor ``[len(input_ids) - 1]`` per sample, in order. Compared with the behaviour logprobs this
+        measures the train/inference mismatch."""
+        _check_samples(samples)
+        out: list[Tensor] = [torch.empty(0)] * len(samples)
+        for rows, ids in self._microbatches(samples, max_tokens_per_microbatch):
+            lp, _ = self._forward(self.model, ids, temperature)
+            for r, i in enumerate(rows):
+                out[i] = lp[r, : len(samples[i].input_ids) - 1].cpu().clone()
+        return out
+
+    def update(self, samples: Sequence[Sample], config: UpdateConfig) -> dict[str, float]:
+        """One optimizer step on the whole batch; returns metrics (see below).
+
+        Advantages and loss weights are computed once over the whole batch; each micro-batch then adds
+        ``sum(token_loss * weight)`` over its rows, so the accumulated gradient is the full-batch loss
+        gradient whatever the token budget. Samples without generated tokens still count in advantage
+        group statistics but are not run forward.
+
+        Metrics: ``loss`` = ``pg_loss + kl_coef * kl`` (``kl``: aggregated k3 KL to the reference, only
+        with one), ``grad_norm`` (before clipping), and token means over generated tokens, all measured
+        before the step: ``entropy`` (of the temperature-scaled next-token distribution), ``clip_frac``
+        (``_low``/``_high``), ``approx_kl`` (behaviour vs current), ``ratio_mean``, ``ratio_max``,
+        ``logprob_mismatch`` (mean abs difference between current and behaviour logprobs: ~0 on freshly
+        served weights, growing with policy lag). ``advantage_mean`` / ``advantage_std`` are over samples
+        with generated tokens; ``tokens``, ``samples``, ``microbatches``, ``step`` are counts.
+        """
+        if not samples:
+            raise ValueError("update needs at least one sample")
+        _check_samples(samples)
+        if config.kl_coef > 0 and self.reference is None:
+            raise ValueError("kl_coef > 0 needs an engine built with kl_reference=True")
+        index = index_rollouts(samples)
+        sample_rollout = torch.tensor(index.sample_rollout, dtype=torch.long)
+        mask, behaviour = _target_space(samples)
+        total_tokens = int(mask.sum().item())
+        if total_tokens == 0:
+            raise ValueError("the batch has no generated tokens to train on")
+        advantages = token_advantages(
+            torch.tensor(index.rewards, dtype=torch.float32),
+            torch.tensor(index.group_index, dtype=torch.long),
+            sample_rollout,
+            mask,
+            level=config.advantage_level,
+            estimator=config.estimator,
+            norm_by_std=config.norm_by_std,
+        )
+        weights = loss_weights(mask, config.loss_normalization, sample_rollout)
+
+        active = [i for i in range(len(samples)) if mask[i].any()]
+        per_sample_adv = advantages[active].sum(dim=1) / mask[active].sum(dim=1)
+        token_means = ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean")
+        sums = dict.fromkeys(("pg_loss", "kl", "entropy", "logprob_mismatch", *token_means), 0.0)
+        ratio_max = 0.0
+        n_micro = 0
+
+        self.optimizer.zero_grad(set_to_none=True)
+        for local_rows, ids in self._microbatches(
+            [samples[i] for i in active], config.max_tokens_per_microbatch
+        ):
+            rows = torch.tensor([active[r] for r in local_rows], dtype=torch.long)
+            cols = ids.shape[1] - 1
+            m, beh, adv, w = (t[rows, :cols].to(self.device) for t in (mask, behaviour, advantages, weights))
+            n_tok = float(m.sum().item())
+            lp, scaled = self._forward(self.model, ids, config.temperature)
+            pg, pg_metrics = clipped_policy_loss(
+                lp, beh, adv, m, clip_low=config.clip_low, clip_high=config.clip_high, weights=w
+            )
+            loss = pg
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_lp, _ = self._forward(self.reference, ids, config.temperature)
+                kl = aggregate_loss(kl_penalty(lp, ref_lp, "k3"), m, weights=w)
+                if config.kl_coef > 0:
+                    loss = loss + config.kl_coef * kl
+                sums["kl"] += float(kl.detach())
+            loss.backward()
+
+            with torch.no_grad():
+                sums["pg_loss"] += float(pg.detach())
+                sums["entropy"] += float(token_entropy(scaled.detach(), m.bool()).sum())
+                sums["logprob_mismatch"] += float(((lp.detach() - beh).abs() * m).sum())
+                for key in token_means:
+                    sums[key] += pg_metrics[key] * n_tok
+                ratio_max = max(ratio_max, pg_metrics["ratio_max"])
+            n_micro += 1
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if config.grad_clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        self.optimizer.step()
+        self.step += 1
+
+        metrics = {
+            "loss": sums["pg_loss"] + config.kl_coef * sums["kl"],
+            "pg_loss": sums["pg_loss"],
+            "grad_norm": float(grad_norm),
+            "ratio_max": ratio_max,
+            "advantage_mean": float(per_sample_adv.mean()),
+            "advantage_std": float(per_sample_adv.std(unbiased=False)),
+            "tokens": float(total_tokens),
+            "samples": float(len(samples)),
+            "microbatches": float(n_micro),
+            "step": float(self.step),
+        }
+        for key in ("entropy", "logprob_mismatch", *token_means):
+            metrics[key] = sums[key] / total_tokens
+        if self.reference is not None:
+            metrics["kl"] = sums["kl"]
+        return metrics
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write the current policy as a Hugging Face model directory (float32 weights, config,
+        generation config, tokenizer of ``model_dir``) that the inference engine loads with
+        ``from_pretrained``."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(out)
+        return out
+
+    def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
+        """Save what a resumed run needs to continue identically: policy weights, AdamW state, RNG states
+        and the step counter (the reference model is rebuilt from ``model_dir``). Each file is replaced
+        atomically and the state file goes last, so an interrupted save is detected on load."""
+        d = Path(ckpt_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / _STATE_FILE).unlink(missing_ok=True)
+        _atomic_save(self.model.state_dict(), d / "model.pt")
+        _atomic_save(self.optimizer.state_dict(), d / "optimizer.pt")
+        _atomic_save(_rng_state(), d / "rng.pt")
+        state = {"format": _CHECKPOINT_FORMAT, "step": self.step, "dtype": self.dtype}
+        tmp = d / (_STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, d / _STATE_FILE)
+        return d
+
+    def load_checkpoint(self, ckpt_dir: str | Path) -> None:
+        """Restore a `save_checkpoint` directory into this engine (built from the same ``model_dir``)."""
+        d = Path(ckpt_dir)
+        if not (d / _STATE_FILE).is_file():
+            raise FileNotFoundError(f"{d} is not a complete checkpoint (no {_STATE_FILE})")
+        state = json.loads((d / _STATE_FILE).read_text(encoding="utf-8"))
+        if state.get("format") != _CHECKPOINT_FORMAT:
+            raise ValueError(f"unsupported checkpoint format {state.get('format')!r}")
+        self.model.load_state_dict(torch.load(d / "model.pt", map_location=self.device, weights_only=True))
+        self.optimizer.load_state_dict(
+            torch.load(d / "optimizer.pt", map_location=self.device, weights_only=True)
+        )
+        _set_rng_state(torch.load(d / "rng.pt", weights_only=True))
+        self.step = int(state["step"])
