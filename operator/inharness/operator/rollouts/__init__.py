@@ -1,0 +1,234 @@
+"""Rollout controllers: claim queued attempts of one pool from the gateway, run one harness per
+attempt, and report each outcome.
+
+The claim loop, leases and reporting are the same whatever runs the harness, so they live here in
+`ClaimingController`; a backend (local processes now, Kubernetes pods later) only says how to run
+one attempt to an `Outcome`. Callers depend on `RolloutBackend` alone.
+"""
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+import httpx
+
+from inharness.gateway.client import GatewayClient, GatewayError
+from inharness.gateway.schema import ClaimedAttempt
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempt ended, as reported to the gateway; a failure's `info["reason"]` says why in
+    words a user can act on."""
+
+    status: Literal["succeeded", "failed"]
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def success(cls, reward: float, **info: Any) -> "Outcome":
+        return cls("succeeded", reward, info)
+
+    @classmethod
+    def failure(cls, reason: str, **info: Any) -> "Outcome":
+        return cls("failed", None, {"reason": reason, **info})
+
+    @property
+    def reason(self) -> str | None:
+        return self.info.get("reason")
+
+
+OnFinish = Callable[[ClaimedAttempt, Outcome], None]
+
+
+class RolloutBackend(Protocol):
+    """What the trainer and the CLI see of a rollout controller: run until stopped, and counters
+    for progress display."""
+
+    started: int
+    succeeded: int
+    failed: int
+    failed_by_reason: Counter[str]
+
+    @property
+    def running(self) -> int: ...
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+class Abort:
+    """Why a running attempt must end early (stop, lost lease); the first reason wins."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason = ""
+
+    def trigger(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason = reason
+            self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
+def reason_key(reason: str) -> str:
+    """Counter key of a failure reason: its part before any ':' detail, so that keys stay few."""
+    return reason.split(":", 1)[0].strip()
+
+
+class ClaimingController(ABC):
+    """Keeps up to `parallelism` attempts of `pool_name` running: claims while below it, polls with
+    a bounded backoff while the queue is empty, heartbeats each attempt's lease, and reports its
+    outcome. On `stop`, claiming ends, running attempts are aborted with reason "stopped" and `run`
+    returns once every one of them has been cleaned up and reported."""
+
+    idle_min_seconds = 0.05
+    idle_max_seconds = 0.5
+    report_tries = 3
+
+    def __init__(
+        self,
+        gateway: GatewayClient,
+        pool_name: str,
+        *,
+        parallelism: int,
+        lease_seconds: float,
+        heartbeat_seconds: float,
+        log: Callable[[str], None] | None = None,
+        on_finish: OnFinish | None = None,
+    ) -> None:
+        self.gateway = gateway
+        self.pool_name = pool_name
+        self.parallelism = parallelism
+        self.lease_seconds = lease_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self.log = log or _log.info
+        self.on_finish = on_finish
+        self.started = 0
+        self.succeeded = 0
+        self.failed = 0
+        self.unreported = 0
+        self.failed_by_reason: Counter[str] = Counter()
+        self._active: dict[asyncio.Task[None], Abort] = {}
+
+    @property
+    def running(self) -> int:
+        return sum(not t.done() for t in self._active)
+
+    @abstractmethod
+    async def execute(self, attempt: ClaimedAttempt, abort: Abort) -> Outcome:
+        """Run one attempt to its outcome; end early (and clean up) once `abort` is set."""
+
+    async def run(self, stop: asyncio.Event) -> None:
+        stopped = asyncio.create_task(stop.wait())
+        idle = self.idle_min_seconds
+        try:
+            while not stop.is_set():
+                self._prune()
+                if len(self._active) >= self.parallelism:
+                    await asyncio.wait([*self._active, stopped], return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                attempt = await self._claim()
+                if attempt is None:
+                    await asyncio.wait([stopped], timeout=idle)
+                    idle = min(idle * 2, self.idle_max_seconds)
+                    continue
+                idle = self.idle_min_seconds
+                abort = Abort()
+                if stop.is_set():
+                    abort.trigger("stopped")
+                self._active[asyncio.create_task(self._attempt(attempt, abort))] = abort
+        finally:
+            stopped.cancel()
+            for abort in self._active.values():
+                abort.trigger("stopped")
+            while self._active:
+                await asyncio.wait(list(self._active))
+                self._prune()
+
+    def _prune(self) -> None:
+        for task in [t for t in self._active if t.done()]:
+            del self._active[task]
+            if not task.cancelled() and task.exception() is not None:
+                self.log(f"pool {self.pool_name}: attempt task failed: {task.exception()!r}")
+
+    async def _claim(self) -> ClaimedAttempt | None:
+        try:
+            return await self.gateway.claim(self.pool_name, self.lease_seconds)
+        except (GatewayError, httpx.HTTPError) as exc:
+            self.log(f"pool {self.pool_name}: claim failed, retrying: {exc}")
+            return None
+
+    async def _attempt(self, attempt: ClaimedAttempt, abort: Abort) -> None:
+        self.started += 1
+        beats = asyncio.create_task(self._heartbeats(attempt, abort))
+        start = time.monotonic()
+        try:
+            if abort.is_set():
+                outcome = Outcome.failure(abort.reason)
+            else:
+                outcome = await self.execute(attempt, abort)
+        except Exception as exc:
+            outcome = Outcome.failure(f"runner error: {type(exc).__name__}: {exc}")
+        finally:
+            beats.cancel()
+        outcome = replace(outcome, info={**outcome.info, "seconds": round(time.monotonic() - start, 3)})
+        if outcome.status == "succeeded":
+            self.succeeded += 1
+        else:
+            self.failed += 1
+            self.failed_by_reason[reason_key(outcome.reason or "failed")] += 1
+        if not await self._report(attempt, outcome):
+            self.unreported += 1
+        if self.on_finish is not None:
+            self.on_finish(attempt, outcome)
+
+    async def _heartbeats(self, attempt: ClaimedAttempt, abort: Abort) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_seconds)
+            try:
+                await self.gateway.heartbeat(attempt.id, self.lease_seconds)
+            except GatewayError as exc:
+                if exc.status in (404, 409):
+                    self.log(f"attempt {attempt.id}: lease lost, stopping it: {exc.message}")
+                    abort.trigger(f"lease lost: {exc.message}")
+                    return
+                self.log(f"attempt {attempt.id}: heartbeat failed, retrying: {exc}")
+            except httpx.HTTPError as exc:
+                self.log(f"attempt {attempt.id}: heartbeat failed, retrying: {exc!r}")
+
+    async def _report(self, attempt: ClaimedAttempt, outcome: Outcome) -> bool:
+        """Complete the attempt; False when the gateway would not take it. A 409 means its lease
+        expired meanwhile: the gateway has already requeued the rollout, so there is nothing to do."""
+        for tries in range(1, self.report_tries + 1):
+            try:
+                await self.gateway.complete(attempt.id, outcome.status, outcome.reward, outcome.info)
+                return True
+            except GatewayError as exc:
+                if exc.status == 409:
+                    self.log(f"attempt {attempt.id}: completion refused, its lease expired: {exc.message}")
+                    return False
+                if exc.status < 500:
+                    self.log(f"attempt {attempt.id}: completion rejected: {exc}")
+                    return False
+                error: Exception = exc
+            except httpx.HTTPError as exc:
+                error = exc
+            if tries < self.report_tries:
+                await asyncio.sleep(0.5 * 2 ** (tries - 1))
+        self.log(
+            f"attempt {attempt.id}: completion failed {self.report_tries} times, the lease will requeue "
+            f"it: {error!r}"
+        )
+        return False

@@ -1,0 +1,394 @@
+"""TrainingRun, RolloutPool and HarnessSpec: the one definition of what a user writes.
+
+The same models validate a local spec file and, turned into JSON schema, become the CRDs, so they
+stick to what a CRD can say: camelCase names, `extra="forbid"`, defaults, numeric bounds, string
+enums and a description on every field. Cross-field rules are validators whose errors point at the
+field to change (`spec.scheduling.maxStaleness`), with messages that say what is allowed.
+"""
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+API_VERSION = "inharness.dev/v1alpha1"
+
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+
+def _dns_label(value: str) -> str:
+    if len(value) > 63 or not re.fullmatch(_DNS_LABEL, value):
+        raise PydanticCustomError(
+            "dns_label",
+            "'{value}' is not a valid name: use at most 63 lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit (DNS-1123 label)",
+            {"value": value},
+        )
+    return value
+
+
+def _env_name(value: str) -> str:
+    if not re.fullmatch(_ENV_NAME, value):
+        raise PydanticCustomError(
+            "env_name",
+            "'{value}' is not a valid environment variable name: use letters, digits, '_', '-' and '.', "
+            "not starting with a digit",
+            {"value": value},
+        )
+    return value
+
+
+def _spec_error(message: str, **ctx: Any) -> PydanticCustomError:
+    """A validation error without pydantic's "Value error, " prefix: the message is the whole story."""
+    return PydanticCustomError("invalid_spec", message, ctx or None)
+
+
+DnsLabel = Annotated[
+    str, AfterValidator(_dns_label), Field(min_length=1, json_schema_extra={"pattern": _DNS_LABEL})
+]
+EnvName = Annotated[str, AfterValidator(_env_name), Field(json_schema_extra={"pattern": _ENV_NAME})]
+
+
+class SpecModel(BaseModel):
+    """camelCase on the wire (YAML, CRD), snake_case in Python; unknown fields are errors, not typos
+    silently ignored."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, serialize_by_alias=True, extra="forbid"
+    )
+
+
+class ObjectMeta(SpecModel):
+    name: DnsLabel = Field(description="Name of the object, unique per kind (and namespace).")
+    namespace: DnsLabel | None = Field(
+        default=None, description="Kubernetes namespace; ignored by local runs."
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Kubernetes labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Kubernetes annotations.")
+
+
+class ObjectRef(SpecModel):
+    name: DnsLabel = Field(description="metadata.name of the referenced object (same namespace).")
+
+
+# --- HarnessSpec -------------------------------------------------------------------------------------
+
+
+class EnvVar(SpecModel):
+    name: EnvName = Field(description="Environment variable name.")
+    value: str = Field(default="", description="Environment variable value.")
+
+
+class ModelEndpoint(SpecModel):
+    """How the harness is pointed at the gateway: through the environment variables it already reads."""
+
+    base_url_env: EnvName = Field(
+        default="OPENAI_BASE_URL",
+        description="Env var that receives the gateway's OpenAI-compatible base URL (ending in /v1).",
+    )
+    api_key_env: EnvName = Field(
+        default="OPENAI_API_KEY",
+        description="Env var that receives the attempt-scoped API key (a placeholder when keyIn is path).",
+    )
+    model_name_env: EnvName | None = Field(
+        default="OPENAI_MODEL",
+        description="Env var that receives modelName; null for harnesses that take the model elsewhere.",
+    )
+    model_name: str = Field(
+        default="policy",
+        min_length=1,
+        description="Model name the harness asks for; the gateway serves the current policy under any name.",
+    )
+    key_in: Literal["header", "path"] = Field(
+        default="header",
+        description="header: the key is sent as 'Authorization: Bearer <key>'. path: for harnesses that "
+        "cannot set a key, the base URL carries it as {gateway}/t/<key>/v1.",
+    )
+
+
+class TaskInput(SpecModel):
+    """How the harness receives its task (JSON): in an env var, in a file, or both."""
+
+    env: EnvName | None = Field(
+        default="INHARNESS_TASK", description="Env var that holds the task as a JSON string; null: none."
+    )
+    file_env: EnvName | None = Field(
+        default="INHARNESS_TASK_FILE",
+        description="Env var that holds the path of a file with the task as JSON; null: none.",
+    )
+
+    @model_validator(mode="after")
+    def _one_way_in(self) -> "TaskInput":
+        if self.env is None and self.file_env is None:
+            raise _spec_error(
+                "at least one of env and fileEnv must be set, or the harness never sees its task"
+            )
+        return self
+
+
+class Grader(SpecModel):
+    command: list[str] = Field(
+        min_length=1,
+        description="Grader command and arguments, run after the harness exits. It sees the task (same "
+        "env/file convention as the harness), the harness's exit code in INHARNESS_EXIT_CODE, its stdout "
+        "in the file at INHARNESS_OUTPUT_FILE, the harness's result file (if it wrote one) at "
+        "INHARNESS_HARNESS_RESULT_FILE, and writes its own result JSON to the file named by resultFileEnv.",
+    )
+    timeout_seconds: int = Field(
+        default=300, ge=1, le=86_400, description="The grader is killed and the attempt fails after this."
+    )
+
+
+class Outcome(SpecModel):
+    """Where the reward of one harness run comes from."""
+
+    type: Literal["resultFile", "exitCode", "grader"] = Field(
+        default="resultFile",
+        description='resultFile: the harness writes JSON like {"reward": 1.0} to the result file and exits '
+        "0. exitCode: reward 1.0 on exit 0, else 0.0. grader: a grader command computes the reward.",
+    )
+    result_file_env: EnvName = Field(
+        default="INHARNESS_RESULT_FILE",
+        description="Env var that holds the path of the result file (on a cluster: the termination "
+        "message path, so at most 4 KiB).",
+    )
+    grader: Grader | None = Field(
+        default=None, validate_default=True, description="Required when type is grader, else not allowed."
+    )
+
+    @field_validator("grader")
+    @classmethod
+    def _grader_iff_type(cls, grader: Grader | None, info: ValidationInfo) -> Grader | None:
+        kind = info.data.get("type")
+        if kind == "grader" and grader is None:
+            raise _spec_error("required when type is grader")
+        if kind not in (None, "grader") and grader is not None:
+            raise _spec_error("only allowed when type is grader (type is {kind})", kind=kind)
+        return grader
+
+
+class HarnessSpecSpec(SpecModel):
+    """One harness run: the process (or container) to start per attempt, and how to read its outcome."""
+
+    image: str | None = Field(
+        default=None, min_length=1, description="Container image; required on clusters, unused locally."
+    )
+    command: list[str] = Field(min_length=1, description="Executable and leading arguments.")
+    args: list[str] = Field(default_factory=list, description="Arguments appended to command.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    working_dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Working directory. Locally, a relative path resolves against the spec file's "
+        "directory, and unset means that directory.",
+    )
+    model: ModelEndpoint = Field(
+        default_factory=ModelEndpoint, description="How the harness finds the gateway."
+    )
+    task: TaskInput = Field(default_factory=TaskInput, description="How the harness receives its task.")
+    timeout_seconds: int = Field(
+        default=600, ge=1, le=86_000, description="The harness is killed and the attempt fails after this."
+    )
+    outcome: Outcome = Field(default_factory=Outcome, description="How the reward is read.")
+
+
+class HarnessSpec(SpecModel):
+    api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
+    kind: Literal["HarnessSpec"] = Field(description="Always HarnessSpec.")
+    metadata: ObjectMeta = Field(description="Name and Kubernetes metadata.")
+    spec: HarnessSpecSpec = Field(description="The harness process and its outcome.")
+    status: dict[str, Any] | None = Field(default=None, description="Written by the operator.")
+
+
+# --- RolloutPool -------------------------------------------------------------------------------------
+
+
+class RolloutPoolSpec(SpecModel):
+    """Runners for one gateway queue: claim attempts, run the harness for each, report the outcome."""
+
+    harness_ref: ObjectRef = Field(description="The HarnessSpec each attempt runs.")
+    parallelism: int = Field(default=4, ge=1, le=10_000, description="Harness runs at once, at most.")
+    max_attempts_per_rollout: int = Field(
+        default=2, ge=1, le=20, description="A rollout whose attempts all fail is given up after this many."
+    )
+    backend: Literal["local", "kubernetes"] = Field(
+        default="local", description="local: child processes of the controller. kubernetes: one pod each."
+    )
+    lease_seconds: int | None = Field(
+        default=None,
+        ge=10,
+        le=86_400,
+        description="Lease of a claimed attempt, renewed by heartbeats; when a runner dies, the gateway "
+        "requeues its attempts after this. Default: the harness's timeoutSeconds + 60.",
+    )
+    heartbeat_seconds: int = Field(
+        default=10,
+        ge=1,
+        le=3_600,
+        validate_default=True,
+        description="How often a running attempt's lease is renewed; must be less than the lease.",
+    )
+
+    @field_validator("heartbeat_seconds")
+    @classmethod
+    def _beats_within_lease(cls, beat: int, info: ValidationInfo) -> int:
+        lease = info.data.get("lease_seconds")
+        if lease is not None and beat >= lease:
+            raise _spec_error(
+                "must be less than leaseSeconds ({lease}), or leases expire between heartbeats", lease=lease
+            )
+        return beat
+
+    def lease_for(self, harness: HarnessSpecSpec) -> int:
+        """The lease to claim with: leaseSeconds, or long enough for the harness to run out its time."""
+        return self.lease_seconds if self.lease_seconds is not None else harness.timeout_seconds + 60
+
+
+class RolloutPool(SpecModel):
+    api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
+    kind: Literal["RolloutPool"] = Field(description="Always RolloutPool.")
+    metadata: ObjectMeta = Field(description="Name (also the gateway queue's pool name) and metadata.")
+    spec: RolloutPoolSpec = Field(description="Runners and their limits.")
+    status: dict[str, Any] | None = Field(default=None, description="Written by the operator.")
+
+
+# --- TrainingRun -------------------------------------------------------------------------------------
+
+
+class PolicyModel(SpecModel):
+    path: str = Field(
+        min_length=1, description="Model directory (weights, tokenizer); locally relative to the spec file."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Training precision.")
+
+
+class Dataset(SpecModel):
+    """Exactly one of inline tasks or a JSONL file of tasks; each task is what one harness run gets."""
+
+    tasks: list[Any] | None = Field(
+        default=None, min_length=1, description="Tasks inline, each any JSON value."
+    )
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="JSONL file with one task per line; locally relative to the spec file.",
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "Dataset":
+        if (self.tasks is None) == (self.path is None):
+            which = "both are" if self.tasks is not None else "neither is"
+            raise _spec_error("set exactly one of tasks and path ({which} set)", which=which)
+        return self
+
+
+class Algorithm(SpecModel):
+    advantage_estimator: Literal["grpo", "rloo"] = Field(
+        default="grpo", description="grpo: reward minus group mean. rloo: reward minus leave-one-out mean."
+    )
+    advantage_level: Literal["rollout", "sample"] = Field(
+        default="rollout",
+        description="rollout: one advantage per rollout, shared by its samples. sample: per sample.",
+    )
+    loss_normalization: Literal["token", "sample", "rollout"] = Field(
+        default="rollout", description="What the policy loss averages over: tokens, samples or rollouts."
+    )
+    normalize_by_std: bool = Field(default=True, description="Divide advantages by the group's std.")
+    learning_rate: float = Field(default=1e-5, gt=0, le=1, description="Optimizer learning rate.")
+    clip_ratio_low: float = Field(
+        default=0.2, ge=0, le=1, description="PPO clip: ratios below 1 - clipRatioLow are clipped."
+    )
+    clip_ratio_high: float = Field(
+        default=0.28, ge=0, le=10, description="PPO clip: ratios above 1 + clipRatioHigh are clipped."
+    )
+    kl_coef: float = Field(default=0.0, ge=0, le=100, description="Weight of the KL penalty; 0: none.")
+    group_size: int = Field(
+        default=8, ge=2, le=1024, description="Rollouts per task; advantages compare within a group."
+    )
+    max_tokens_per_sample: int | None = Field(
+        default=None, ge=1, description="Longer samples are truncated for training; null: no limit."
+    )
+
+
+class Scheduling(SpecModel):
+    mode: Literal["sync", "async"] = Field(
+        default="sync",
+        description="sync: rollouts of a step use the latest policy. async: rollouts continue during "
+        "updates, up to maxStaleness versions behind.",
+    )
+    max_staleness: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        validate_default=True,
+        description="How many policy versions a training sample may lag; 0 in sync mode, >= 1 in async.",
+    )
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness_fits_mode(cls, staleness: int, info: ValidationInfo) -> int:
+        mode = info.data.get("mode")
+        if mode == "sync" and staleness != 0:
+            raise _spec_error("must be 0 when mode is sync (got {got}); use mode async", got=staleness)
+        if mode == "async" and staleness < 1:
+            raise _spec_error("must be at least 1 when mode is async (got {got})", got=staleness)
+        return staleness
+
+
+class Generation(SpecModel):
+    """Sampling of the policy while it serves rollouts; the gateway and trainer apply it."""
+
+    temperature: float = Field(default=1.0, ge=0, le=2, description="Sampling temperature.")
+    max_tokens: int = Field(default=512, ge=1, le=1_000_000, description="Most tokens generated per call.")
+
+
+class Checkpoint(SpecModel):
+    dir: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Where checkpoints go; locally relative to the spec file. Null: the run's work dir.",
+    )
+    interval: int = Field(default=5, ge=1, description="Save every this many steps.")
+    keep: int = Field(default=3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+
+
+class TrainingRunSpec(SpecModel):
+    model: PolicyModel = Field(description="The policy to train.")
+    dataset: Dataset = Field(description="Tasks to train on.")
+    rollout_pool_ref: ObjectRef = Field(description="The RolloutPool that runs this run's rollouts.")
+    algorithm: Algorithm = Field(default_factory=Algorithm, description="RL algorithm and its settings.")
+    batch_size: int = Field(default=8, ge=1, le=100_000, description="Tasks per training step.")
+    steps: int = Field(default=10, ge=1, le=10_000_000, description="Training steps.")
+    scheduling: Scheduling = Field(
+        default_factory=Scheduling, description="How rollouts and updates interleave."
+    )
+    generation: Generation = Field(default_factory=Generation, description="Sampling of the policy.")
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpointing.")
+    seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seed for task order and initialization.")
+
+
+class TrainingRun(SpecModel):
+    api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
+    kind: Literal["TrainingRun"] = Field(description="Always TrainingRun.")
+    metadata: ObjectMeta = Field(description="Name and Kubernetes metadata.")
+    spec: TrainingRunSpec = Field(description="What to train, on what, and how.")
+    status: dict[str, Any] | None = Field(default=None, description="Written by the operator.")
+
+
+Resource = TrainingRun | RolloutPool | HarnessSpec
+KINDS: dict[str, type[TrainingRun] | type[RolloutPool] | type[HarnessSpec]] = {
+    "TrainingRun": TrainingRun,
+    "RolloutPool": RolloutPool,
+    "HarnessSpec": HarnessSpec,
+}

@@ -1,0 +1,339 @@
+"""The local rollout controller against a real gateway and engine on 127.0.0.1, running real
+harness subprocesses (tests/operator/harnesses/): outcomes, retries, timeouts, process-group
+cleanup, parallelism, stop, and lost leases."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ADMIN
+from testsupport import Server, gateway_server, start_engine
+
+from inharness.gateway.client import GatewayClient
+from inharness.gateway.schema import ClaimedAttempt, RolloutOut
+from inharness.operator.rollouts import Outcome
+from inharness.operator.rollouts.local import LocalRolloutController
+from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
+
+HARNESSES = Path(__file__).parent / "harnesses"
+PY = sys.executable
+MARK = "INHARNESS_TEST_MARK"
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, log_dir: Path) -> Iterator[Server]:
+    """An engine on the untrained tiny model is enough: the harnesses need answers, not good ones.
+    One `import openai` up front compiles its bytecode, which would otherwise eat into the first
+    harnesses' timeouts."""
+    subprocess.run([PY, "-c", "import openai"], check=True, timeout=120)
+    engine = start_engine(tiny_model, log_dir)
+    db = tmp_path_factory.mktemp("operator-gw") / "gateway.db"
+    try:
+        server = gateway_server(tiny_model, [engine.url], db, log_dir, admin_token=ADMIN).start()
+        yield server
+        server.stop()
+    finally:
+        engine.stop()
+
+
+class ProcessWatch:
+    """Counts, from /proc, the process groups of one test's harnesses (marked through the spec's env)
+    that run at once: the real number of concurrent harness runs, kills included."""
+
+    def __init__(self, mark: str) -> None:
+        self.needle = f"{MARK}={mark}".encode()
+        self.max_groups = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def live(self) -> dict[int, int]:
+        """pid -> process group of each live (not zombie) marked process."""
+        out = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if self.needle not in (entry / "environ").read_bytes().split(b"\0"):
+                    continue
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2 :].split()
+            if fields[0] not in ("Z", "X"):
+                out[int(entry.name)] = int(fields[2])
+        return out
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.max_groups = max(self.max_groups, len(set(self.live().values())))
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> "ProcessWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def hung_pids(tmp: Path) -> list[dict[str, int]]:
+    """The pids hang.py wrote: its own and its child's, one file per attempt."""
+    return [json.loads(p.read_text()) for p in tmp.glob("at*.json")]
+
+
+async def until(cond: Callable[[], bool], limit_s: float = 20.0, every_s: float = 0.05) -> None:
+    for _ in range(int(limit_s / every_s)):
+        if cond():
+            return
+        await asyncio.sleep(every_s)
+    raise TimeoutError(f"not true within {limit_s}s")
+
+
+def harness_spec(mark: str, tmp: Path, **spec: Any) -> HarnessSpecSpec:
+    env = [{"name": MARK, "value": mark}, {"name": "TEST_PID_DIR", "value": str(tmp)}]
+    return HarnessSpecSpec.model_validate(
+        {"command": [PY, str(HARNESSES / "dispatch.py")], "env": env, **spec}
+    )
+
+
+def controller(
+    gw: Server,
+    client: GatewayClient,
+    pool_name: str,
+    pool: dict[str, Any],
+    harness: HarnessSpecSpec,
+    tmp: Path,
+) -> tuple[LocalRolloutController, list[tuple[ClaimedAttempt, Outcome]], list[str]]:
+    finished: list[tuple[ClaimedAttempt, Outcome]] = []
+    logs: list[str] = []
+    ctrl = LocalRolloutController(
+        client,
+        gw.url,
+        pool_name,
+        RolloutPoolSpec.model_validate({"harnessRef": {"name": "h"}, **pool}),
+        harness,
+        base_dir=HARNESSES,
+        work_dir=tmp / "work",
+        log=logs.append,
+        on_finish=lambda a, o: finished.append((a, o)),
+        kill_grace_seconds=0.5,
+    )
+    return ctrl, finished, logs
+
+
+async def finished_rollouts(client: GatewayClient, ids: list[str], limit_s: float) -> list[RolloutOut]:
+    async with asyncio.timeout(limit_s):
+        while True:
+            outs = [await client.get_rollout(i) for i in ids]
+            if all(o.status in ("succeeded", "failed") for o in outs):
+                return outs
+            await asyncio.sleep(0.1)
+
+
+async def run_batch(
+    ctrl: LocalRolloutController, client: GatewayClient, ids: list[str], limit_s: float = 40
+) -> list[RolloutOut]:
+    stop = asyncio.Event()
+    running = asyncio.create_task(ctrl.run(stop))
+    try:
+        return await finished_rollouts(client, ids, limit_s)
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 20)
+
+
+async def test_batch_of_good_and_bad_harnesses(gateway: Server, tmp_path: Path) -> None:
+    mark = uuid.uuid4().hex
+    harness = harness_spec(mark, tmp_path, timeoutSeconds=5)
+    tasks: list[dict[str, Any]] = [
+        {"run": "good", "question": "What is 2+3?", "reward": 1.0},
+        {"run": "crash"},
+        {"run": "hang"},
+        {"run": "bad_result", "write": "garbage"},
+        {"run": "good", "question": "Name a colour.", "reward": 0.25},
+        {"run": "bad_result", "write": "no_reward"},
+        {"run": "bad_result", "write": "nothing"},
+    ]
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        created = await client.create_rollouts(tasks, pool="mixed", max_attempts=2)
+        pool = {"parallelism": 3, "maxAttemptsPerRollout": 2}
+        ctrl, finished, _ = controller(gateway, client, "mixed", pool, harness, tmp_path)
+        with ProcessWatch(mark) as watch:
+            outs = await run_batch(ctrl, client, [r.id for r in created])
+            assert watch.live() == {}
+        good_calls = [await client.calls(o.attempts[0].id) for o in (outs[0], outs[4])]
+
+    assert 2 <= watch.max_groups <= 3
+    good, crash, hang, garbage, good2, no_reward, nothing = outs
+    for rollout, reward in ((good, 1.0), (good2, 0.25)):
+        assert (rollout.status, rollout.reward, len(rollout.attempts)) == ("succeeded", reward, 1), (
+            rollout.attempts
+        )
+        assert rollout.attempts[0].info["result"]["base_url"] == f"{gateway.url}/v1"
+    assert all(len(calls) == 1 for calls in good_calls), (
+        "each good harness's call is recorded under its attempt"
+    )
+
+    expected = {
+        "exited with code 3": crash,
+        "timed out after 5s": hang,
+        "result file is not valid JSON: ": garbage,
+        "result has no numeric 'reward'": no_reward,
+        "result file missing": nothing,
+    }
+    for reason, rollout in expected.items():
+        assert rollout.status == "failed" and len(rollout.attempts) == 2, reason
+        for attempt in rollout.attempts:
+            assert attempt.status == "failed" and attempt.failure_reason is not None
+            assert attempt.failure_reason.startswith(reason), (reason, attempt.failure_reason)
+    assert "boom: the harness fell over" in crash.attempts[0].info["stderr_tail"]
+    assert crash.attempts[0].info["exit_code"] == 3
+
+    pids = hung_pids(tmp_path)
+    assert len(pids) == 2
+    assert not any(alive(p["pid"]) or alive(p["child"]) for p in pids), "the hung harness's group survived"
+
+    assert (ctrl.started, ctrl.succeeded, ctrl.failed, ctrl.running) == (12, 2, 10, 0)
+    assert ctrl.failed_by_reason == {
+        "exited with code 3": 2,
+        "timed out after 5s": 2,
+        "result file is not valid JSON": 2,
+        "result has no numeric 'reward'": 2,
+        "result file missing": 2,
+    }
+    assert len(finished) == 12
+    assert {a.id for a, _ in finished} == {a.id for o in outs for a in o.attempts}
+
+
+async def test_key_in_path(gateway: Server, tmp_path: Path) -> None:
+    harness = harness_spec(uuid.uuid4().hex, tmp_path, model={"keyIn": "path", "modelName": "my-model"})
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        created = await client.create_rollouts([{"run": "good", "question": "Hi"}], pool="keypath")
+        ctrl, finished, _ = controller(gateway, client, "keypath", {}, harness, tmp_path)
+        [out] = await run_batch(ctrl, client, [created[0].id])
+        [call] = await client.calls(out.attempts[0].id)
+    assert out.status == "succeeded"
+    base_url = out.attempts[0].info["result"]["base_url"]
+    assert base_url.startswith(f"{gateway.url}/t/ih-") and base_url.endswith("/v1")
+    assert base_url == f"{gateway.url}/t/{finished[0][0].token}/v1"
+    assert call.requested_model == "my-model"
+
+
+async def test_grader_and_exit_code_outcomes(gateway: Server, tmp_path: Path) -> None:
+    grader = {"type": "grader", "grader": {"command": [PY, "grader.py"], "timeoutSeconds": 10}}
+    graded = harness_spec(uuid.uuid4().hex, tmp_path, command=[PY, "answer.py"], outcome=grader)
+    by_exit = harness_spec(
+        uuid.uuid4().hex, tmp_path, command=[PY, "answer.py"], outcome={"type": "exitCode"}
+    )
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        g_tasks = [
+            {"answer": "42", "expected": "42"},
+            {"answer": "41", "expected": "42"},
+            {"answer": "42", "expected": "42", "exit": 2},
+            {"grader_crash": True},
+        ]
+        g_rollouts = await client.create_rollouts(g_tasks, pool="graded", max_attempts=2)
+        e_rollouts = await client.create_rollouts([{"exit": 0}, {"exit": 3}], pool="by-exit", max_attempts=2)
+        g_ctrl, _, _ = controller(gateway, client, "graded", {"parallelism": 2}, graded, tmp_path)
+        e_ctrl, _, _ = controller(gateway, client, "by-exit", {"parallelism": 2}, by_exit, tmp_path)
+        g_outs, e_outs = await asyncio.gather(
+            run_batch(g_ctrl, client, [r.id for r in g_rollouts]),
+            run_batch(e_ctrl, client, [r.id for r in e_rollouts]),
+        )
+
+    right, wrong, bad_exit, crash = g_outs
+    assert [(o.status, o.reward) for o in (right, wrong, bad_exit)] == [
+        ("succeeded", 1.0),
+        ("succeeded", 0.0),
+        ("succeeded", 0.0),
+    ]
+    assert right.attempts[0].info["result"] == {"exit_code_seen": 0, "harness_note": "from the harness"}
+    assert bad_exit.attempts[0].info["result"]["exit_code_seen"] == 2
+    assert crash.status == "failed" and len(crash.attempts) == 2
+    assert {a.failure_reason for a in crash.attempts} == {"grader exited with code 1"}
+    assert "grader: cannot grade this" in crash.attempts[0].info["grader_stderr_tail"]
+    assert [(o.status, o.reward, len(o.attempts)) for o in e_outs] == [
+        ("succeeded", 1.0, 1),
+        ("succeeded", 0.0, 1),
+    ]
+
+
+async def test_unstartable_harness_fails_with_the_os_error(gateway: Server, tmp_path: Path) -> None:
+    harness = harness_spec(uuid.uuid4().hex, tmp_path, command=[str(tmp_path / "no-such-harness")])
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        created = await client.create_rollouts([{}], pool="unstartable", max_attempts=1)
+        ctrl, _, _ = controller(
+            gateway, client, "unstartable", {"maxAttemptsPerRollout": 1}, harness, tmp_path
+        )
+        [out] = await run_batch(ctrl, client, [created[0].id])
+    reason = out.attempts[0].failure_reason or ""
+    assert out.status == "failed" and reason.startswith("could not start: ") and "no-such-harness" in reason
+
+
+async def test_stop_mid_run_kills_every_harness_and_reports_stopped(gateway: Server, tmp_path: Path) -> None:
+    mark = uuid.uuid4().hex
+    harness = harness_spec(mark, tmp_path, timeoutSeconds=60)
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        created = await client.create_rollouts([{"run": "hang"}] * 3, pool="stopping", max_attempts=2)
+        ctrl, finished, _ = controller(gateway, client, "stopping", {"parallelism": 2}, harness, tmp_path)
+        stop = asyncio.Event()
+        with ProcessWatch(mark) as watch:
+            running = asyncio.create_task(ctrl.run(stop))
+            await until(lambda: len(hung_pids(tmp_path)) == 2)
+            stop.set()
+            await asyncio.wait_for(running, 15)
+            assert watch.live() == {}, "a harness process survived stop"
+        outs = [await client.get_rollout(r.id) for r in created]
+
+    assert watch.max_groups == 2
+    pids = hung_pids(tmp_path)
+    assert not any(alive(p["pid"]) or alive(p["child"]) for p in pids)
+    assert (ctrl.started, ctrl.failed, ctrl.running, ctrl.failed_by_reason) == (2, 2, 0, {"stopped": 2})
+    assert [o.reason for _, o in finished] == ["stopped", "stopped"]
+    claimed = [o for o in outs if o.attempts]
+    assert len(claimed) == 2 and all(o.status == "queued" for o in outs), "stopped attempts are requeued"
+    assert all(o.attempts[0].failure_reason == "stopped" for o in claimed)
+
+
+async def test_lost_lease_stops_the_harness_and_its_refused_completion_is_ignored(
+    gateway: Server, tmp_path: Path
+) -> None:
+    mark = uuid.uuid4().hex
+    harness = harness_spec(mark, tmp_path, timeoutSeconds=30)
+    pool = {"maxAttemptsPerRollout": 1, "heartbeatSeconds": 1, "leaseSeconds": 10}
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        [created] = await client.create_rollouts([{"run": "hang"}], pool="lease-lost", max_attempts=1)
+        ctrl, _, logs = controller(gateway, client, "lease-lost", pool, harness, tmp_path)
+        stop = asyncio.Event()
+        with ProcessWatch(mark) as watch:
+            running = asyncio.create_task(ctrl.run(stop))
+            await until(lambda: bool(hung_pids(tmp_path)))
+            attempt = (await client.get_rollout(created.id)).attempts[0]
+            # Someone else (a restarted operator, an admin) finishes the attempt meanwhile.
+            await client.complete(attempt.id, "succeeded", reward=0.5)
+            await until(lambda: ctrl.failed == 1)
+            assert watch.live() == {}
+            stop.set()
+            await asyncio.wait_for(running, 15)
+        out = await client.get_rollout(created.id)
+
+    assert (out.status, out.reward, len(out.attempts)) == ("succeeded", 0.5, 1), "the first completion stands"
+    assert (ctrl.failed, ctrl.unreported, dict(ctrl.failed_by_reason)) == (1, 1, {"lease lost": 1})
+    assert any("lease lost" in line for line in logs)
+    assert any("completion refused" in line for line in logs)
