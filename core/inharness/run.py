@@ -8,6 +8,7 @@ finished is in the store and the last checkpoint; `--resume` continues from ther
 
 import asyncio
 import json
+import os
 import secrets
 import signal
 import sys
@@ -55,6 +56,25 @@ class _Progress:
         self.steps.close()
 
 
+def with_overrides(specs: Any, overrides: dict[str, Any]) -> Any:
+    """The specs with TrainingRun fields replaced, by camelCase dotted path as written in YAML
+    (e.g. {"spec.algorithm.advantageLevel": "sample"}), validated again like the file itself."""
+    import dataclasses
+
+    from inharness.operator.spec import TrainingRun
+
+    if not overrides:
+        return specs
+    doc = specs.training_run.model_dump(by_alias=True, exclude_none=True)
+    for dotted, value in overrides.items():
+        node = doc
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return dataclasses.replace(specs, training_run=TrainingRun.model_validate(doc))
+
+
 async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, Any]) -> int:
     from inharness.gateway.client import GatewayClient
     from inharness.operator.rollouts.local import LocalRolloutController
@@ -63,7 +83,7 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
     from inharness.trainer.report import plot_rewards, read_metrics, summarize, summary_table
     from inharness.trainer.torch_engine import TorchTrainingEngine, UpdateConfig
 
-    specs = load_specs(file, overrides=overrides)
+    specs = with_overrides(load_specs(file), overrides)
     tasks = load_tasks(specs)
     run, pool, harness = specs.training_run, specs.rollout_pool, specs.harness
     spec, algo = run.spec, run.spec.algorithm
@@ -99,6 +119,8 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
         serve_path = policy.save_pretrained(rd.weights / f"v{state.version}")
         print(f"resuming {run.metadata.name} at step {state.step} (model version {state.version})")
 
+    # Harness commands such as `python harness.py` resolve to this environment's interpreter first.
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     admin = secrets.token_urlsafe(24)
     eport, gport = free_port(), free_port()
     engine = ServerProcess.inharness(
@@ -212,8 +234,8 @@ def run_file(
     from inharness.operator.specfile import SpecError, load_specs
 
     try:
-        name = load_specs(file, overrides=overrides or {}).training_run.metadata.name
-    except SpecError as exc:
+        name = with_overrides(load_specs(file), overrides or {}).training_run.metadata.name
+    except (SpecError, ValueError) as exc:
         print(f"inharness run: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(

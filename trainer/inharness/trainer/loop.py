@@ -28,6 +28,9 @@ from inharness.gateway.schema import ExportedRollout
 from inharness.trainer.report import append_metrics, truncate_metrics
 from inharness.trainer.samples import Sample, build_batch
 
+# Keys of the loop's own metrics; the policy's metrics of the same name are kept with a prefix.
+_OWN_KEYS = {"step", "version", "samples", "tokens", "rollouts", "calls"}
+
 
 class Policy(Protocol):
     """The training engine as the loop sees it (torch on CPU today, verl on GPUs later)."""
@@ -273,6 +276,7 @@ class TrainingLoop:
         versions = [v for s in samples for v in s.model_versions]
         t0, t1, t2, t3 = times
         return {
+            **{f"update_{k}" if k in _OWN_KEYS else k: update[k] for k in sorted(update)},
             "step": step,
             "version": self.state.version,
             "reward_mean": mean,
@@ -288,7 +292,6 @@ class TrainingLoop:
             "prefix_mismatches": sum(1 for c in calls if c.prefix_mismatch),
             # trained on version - 1 (the update just published `version`)
             "staleness_max": (self.state.version - 1 - min(versions)) if versions else 0,
-            **{k: update[k] for k in sorted(update)},
             "time_rollout_s": t1 - t0,
             "time_update_s": t2 - t1,
             "time_publish_s": t3 - t2,
