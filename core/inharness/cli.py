@@ -55,7 +55,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
     engines = args.engine or [e for e in (_env("INHARNESS_GATEWAY_ENGINES") or "").split(",") if e]
     token = args.admin_token
     if not token:
-        token = secrets.token_urlsafe(24)
+        token = secrets.token_hex(24)
         print(f"no --admin-token given; generated one for this run: {token}", file=sys.stderr)
     if not args.model:
         print("inharness gateway: --model (or INHARNESS_GATEWAY_MODEL) is required", file=sys.stderr)

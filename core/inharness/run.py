@@ -121,7 +121,7 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
 
     # Harness commands such as `python harness.py` resolve to this environment's interpreter first.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    admin = secrets.token_urlsafe(24)
+    admin = secrets.token_hex(24)
     eport, gport = free_port(), free_port()
     engine = ServerProcess.inharness(
         ["engine", "--model", str(serve_path), "--port", str(eport)],

@@ -136,6 +136,12 @@ class TrainingLoop:
         self._progress = on_progress or (lambda _event, _data: None)
         self._finished: dict[str, ExportedRollout] = {}  # finished rollouts of batches not yet trained
         self._read_cursor = state.cursor
+        # Batches created after the last checkpoint are in the journal file: adopt them, never re-create.
+        if run_dir.journal.exists():
+            for line in run_dir.journal.read_text().splitlines():
+                entry = json.loads(line)
+                if entry["batch"] >= state.step:
+                    state.journal.setdefault(entry["batch"], entry["rollouts"])
 
     async def run(self, stop: asyncio.Event) -> None:
         truncate_metrics(self.dir.metrics, before_step=self.state.step)
