@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test lint fmt bench-gateway clean
+.PHONY: demo demo-train ablation test lint fmt bench-gateway clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -14,8 +14,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The main job until the RL demo meets its goal: one recorded tool-calling conversation.
 demo: $(STAMP)
 	$(BIN)/python -m inharness.demo
+
+# RL of the tiny model inside the calculator agent (work in progress: see the README).
+demo-train: $(STAMP)
+	$(BIN)/python examples/calc/demo.py
+
+ablation: $(STAMP)
+	$(BIN)/python examples/calc/demo.py --ablation
 
 test: $(STAMP)
 	$(BIN)/ruff check .

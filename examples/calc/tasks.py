@@ -1,0 +1,138 @@
+"""Tasks and warm-up traces for the calculator example, and the warm-up setting the RL demo starts from.
+
+The task family and the warm-up budget are calibrated together (see calibrate.py): after the warm-up a
+tiny model knows the format (call the calculator, then say "The answer is N.") but copies digits
+unreliably at temperature 1.0, which leaves RL room to raise the reward within a CPU demo.
+
+`python examples/calc/tasks.py --write` regenerates tasks.jsonl, the demo's training tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+TASKS_FILE = HERE / "tasks.jsonl"
+
+OPS = "+-"
+MAX_OPERAND = 20
+TRAIN_TASKS = 256
+TRAIN_SEED = 0
+
+# Calibrated with calibrate.py on the 2-core CPU box; the table is in the calibrate.py docstring.
+WARMUP_CONVERSATIONS = 64
+WARMUP_STEPS = 60
+WARMUP_LR = 3e-3
+
+
+def _harness() -> Any:
+    """harness.py, loaded by path: the SAME system prompt, tool definition and calculator it uses."""
+    spec = importlib.util.spec_from_file_location("calc_harness", HERE / "harness.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _problem(rng: random.Random, ops: str, max_operand: int) -> tuple[str, str]:
+    """(expression, answer); subtraction keeps a >= b so answers are never negative."""
+    op = rng.choice(ops)
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    if op == "-" and a < b:
+        a, b = b, a
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return f"{a}{op}{b}", str(value)
+
+
+def make_tasks(n: int, seed: int, *, ops: str = OPS, max_operand: int = MAX_OPERAND) -> list[dict[str, Any]]:
+    """`n` questions like {"question": "What is 17+5?", "answer": "22"}; same (n, seed) -> same tasks."""
+    rng = random.Random(f"calc-tasks-{seed}")
+    tasks = []
+    for _ in range(n):
+        expression, answer = _problem(rng, ops, max_operand)
+        tasks.append({"question": f"What is {expression}?", "answer": answer})
+    return tasks
+
+
+def make_warmup_conversations(
+    n: int, seed: int, *, ops: str = OPS, max_operand: int = MAX_OPERAND
+) -> list[dict[str, Any]]:
+    """`n` perfect traces in exactly the chat format the harness produces, for the supervised warm-up.
+
+    System prompt + question, an assistant turn that only calls the calculator on the question's
+    expression, the tool's result, and the final "The answer is N.". Drawn from their own RNG stream, so
+    they are not the tasks of `make_tasks` with the same seed.
+    """
+    harness = _harness()
+    rng = random.Random(f"calc-warmup-{seed}")
+    conversations = []
+    for _ in range(n):
+        expression, _answer = _problem(rng, ops, max_operand)
+        result = harness.calculator(expression)
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})},
+        }
+        conversations.append(
+            {
+                "tools": [harness.CALC_TOOL],
+                "messages": [
+                    {"role": "system", "content": harness.SYSTEM},
+                    {"role": "user", "content": f"What is {expression}?"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_0", "content": result},
+                    {"role": "assistant", "content": f"The answer is {result}."},
+                ],
+            }
+        )
+    return conversations
+
+
+def warm_up(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    conversations: int = WARMUP_CONVERSATIONS,
+    steps: int = WARMUP_STEPS,
+    lr: float = WARMUP_LR,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Supervised warm-up of `model_dir` into `out_dir` with the calibrated setting; returns sft's stats."""
+    from inharness.trainer.sft import sft
+
+    traces = make_warmup_conversations(conversations, seed)
+    return sft(model_dir, traces, out_dir=out_dir, steps=steps, lr=lr, seed=seed)
+
+
+def write_tasks(path: Path = TASKS_FILE, n: int = TRAIN_TASKS, seed: int = TRAIN_SEED) -> Path:
+    path.write_text("".join(json.dumps(t) + "\n" for t in make_tasks(n, seed)), encoding="utf-8")
+    return path
+
+
+def load_tasks(path: Path = TASKS_FILE) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help=f"write {TASKS_FILE.name} ({TRAIN_TASKS} tasks)")
+    p.add_argument("-n", type=int, default=5, help="without --write: print this many tasks")
+    p.add_argument("--seed", type=int, default=TRAIN_SEED)
+    args = p.parse_args(argv)
+    if args.write:
+        print(f"wrote {write_tasks(seed=args.seed)}")
+        return 0
+    for task in make_tasks(args.n, args.seed):
+        print(json.dumps(task))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
