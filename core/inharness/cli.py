@@ -40,6 +40,12 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=int(_env("INHARNESS_GATEWAY_PORT", "8000") or 8000))
     p.add_argument("--admin-token", default=_env("INHARNESS_GATEWAY_ADMIN_TOKEN"))
     p.add_argument("--served-model-name", default=_env("INHARNESS_GATEWAY_SERVED_MODEL_NAME"))
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=int(_env("INHARNESS_GATEWAY_MAX_MODEL_LEN", "0") or 0) or None,
+        help="context length (default: the model config's max_position_embeddings)",
+    )
     p.add_argument("--max-attempts", type=int, default=int(_env("INHARNESS_GATEWAY_MAX_ATTEMPTS", "3") or 3))
     p.add_argument(
         "--hold-seconds", type=float, default=float(_env("INHARNESS_GATEWAY_HOLD_SECONDS", "120") or 120)
@@ -72,6 +78,7 @@ def _run_gateway(args: argparse.Namespace) -> int:
             admin_token=token,
             served_model_name=args.served_model_name,
             max_attempts=args.max_attempts,
+            max_model_len=args.max_model_len,
             hold_seconds=args.hold_seconds,
         )
     except ValidationError as exc:

@@ -87,7 +87,6 @@ class Output:
 class CallContext:
     service: "CallService"
     auth: AttemptAuth
-    conv: Conversation
     chain: list[str]
     prompt: BuiltPrompt
     sampling: Sampling
@@ -290,7 +289,6 @@ class CallService:
             yield CallContext(
                 service=self,
                 auth=auth,
-                conv=conv,
                 chain=chain,
                 prompt=prompt,
                 sampling=sampling,

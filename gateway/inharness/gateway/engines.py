@@ -13,7 +13,6 @@ times cheaper per request (0.30 ms vs 0.95 ms round trip to a minimal engine on 
 import asyncio
 import hashlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,8 +43,6 @@ class Engine:
     url: str
     healthy: bool = True
     model: str | None = None  # the name the engine serves; vLLM insists on it
-    max_model_len: int | None = None
-    checked_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -104,10 +101,8 @@ class EnginePool:
                 async with self._session.get(f"{engine.url}/v1/models", timeout=timeout) as r:
                     first = orjson.loads(await r.read())["data"][0]
                 engine.model = first["id"]
-                engine.max_model_len = first.get("max_model_len")
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError):
             engine.healthy = False
-        engine.checked_at = time.time()
 
     async def health_forever(self) -> None:
         while True:
