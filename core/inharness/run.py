@@ -87,7 +87,7 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
     tasks = load_tasks(specs)
     run, pool, harness = specs.training_run, specs.rollout_pool, specs.harness
     spec, algo = run.spec, run.spec.algorithm
-    rd = RunDir(out)
+    rd = RunDir(out, checkpoints=specs.resolve(spec.checkpoint.dir) if spec.checkpoint.dir else None)
     ckpt = rd.latest_checkpoint()
     if ckpt is not None and not resume:
         print(
@@ -97,9 +97,7 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
         )
         return 2
     rd.root.mkdir(parents=True, exist_ok=True)
-    model_path = Path(spec.model.path)
-    if not model_path.is_absolute():
-        model_path = specs.base_dir / model_path
+    model_path = specs.resolve(spec.model.path)
 
     import torch
 

@@ -82,12 +82,12 @@ class LoopState:
 class RunDir:
     """The layout of a run's output directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, checkpoints: Path | None = None) -> None:
         self.root = root
         self.metrics = root / "metrics.jsonl"
         self.reward_png = root / "reward.png"
         self.summary = root / "summary.json"
-        self.checkpoints = root / "checkpoints"
+        self.checkpoints = checkpoints or root / "checkpoints"
         self.weights = root / "weights"
         self.journal = root / "journal.jsonl"
         self.logs = root / "logs"
