@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	# torch first, from the CPU wheel on this disk; otherwise a dependency would pull a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python tools/k8s_binaries.py $(BIN)
 	touch $(STAMP)
 
 # The main job until the RL demo meets its goal: one recorded tool-calling conversation.
