@@ -20,6 +20,7 @@ from inharness.gateway.calls import CallService
 from inharness.gateway.engines import EnginePool
 from inharness.gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from inharness.gateway.metrics import GatewayMetrics
+from inharness.gateway.progress import ProgressBoard
 from inharness.gateway.prompts import PromptBuilder
 from inharness.gateway.protocols import openai_chat
 from inharness.gateway.serving import ServingGate
@@ -105,6 +106,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.admin_token = settings.admin_token
+    app.state.progress = ProgressBoard()
     app.state.served_model_name = settings.served_model_name or Path(settings.model).name
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)

@@ -140,3 +140,10 @@ class GatewayClient:
 
     async def serving(self) -> schema.ServingState:
         return schema.ServingState.model_validate_json((await self._call("GET", "/api/v1/serving")).content)
+
+    async def report_progress(self, report: schema.ProgressReport) -> schema.ProgressOut:
+        r = await self._call("POST", "/api/v1/progress", report.model_dump(mode="json"))
+        return schema.ProgressOut.model_validate_json(r.content)
+
+    async def progress(self) -> schema.ProgressOut:
+        return schema.ProgressOut.model_validate_json((await self._call("GET", "/api/v1/progress")).content)

@@ -1,5 +1,6 @@
 """Control API for the trainer and the operator (admin token required): the rollout queue with
-leases, recorded calls and their export, model versions, and pause/resume of serving."""
+leases, recorded calls and their export, model versions, pause/resume of serving, and the trainer's
+progress."""
 
 import secrets
 from collections.abc import AsyncIterator
@@ -11,6 +12,7 @@ from starlette.responses import Response, StreamingResponse
 from inharness.gateway import schema
 from inharness.gateway.calls import CallService
 from inharness.gateway.errors import APIError
+from inharness.gateway.progress import ProgressBoard
 from inharness.gateway.store import Conflict, NotFound, Store
 
 
@@ -172,3 +174,36 @@ async def pause(request: Request, body: schema.PauseRequest | None = None) -> Re
 @router.post("/serving/resume", response_model=schema.ServingState)
 async def resume(request: Request) -> Response:
     return _json(_calls(request).gate.resume())
+
+
+def _board(request: Request) -> ProgressBoard:
+    return request.app.state.progress
+
+
+@router.post("/progress", response_model=schema.ProgressOut)
+async def report_progress(request: Request, body: schema.ProgressReport) -> Response:
+    _board(request).record(body)
+    return await get_progress(request)
+
+
+@router.get("/progress", response_model=schema.ProgressOut)
+async def get_progress(request: Request) -> Response:
+    board, store = _board(request), _store(request)
+    last = board.last
+    active = next((v.version for v in await store.list_versions() if v.active), None)
+    counts = {s: await store.count_rollouts(s) for s in ("queued", "running", "succeeded", "failed")}
+    return _json(
+        schema.ProgressOut(
+            reported=last is not None,
+            step=last.step if last else 0,
+            total_steps=last.total_steps if last else None,
+            state=last.state if last else None,
+            reward_mean=last.reward_mean if last else None,
+            reward_history=board.history(),
+            message=last.message if last else None,
+            config_sha256=last.config_sha256 if last else None,
+            model_version=active,
+            rollouts=counts,
+            updated_at=board.updated_at,
+        )
+    )

@@ -161,3 +161,37 @@ class PauseRequest(_Wire):
     drain_seconds: float = Field(
         default=0.0, ge=0, le=3600, description="wait up to this long for in-flight calls to finish"
     )
+
+
+ProgressState = Literal["running", "complete", "failed"]
+
+
+class ProgressReport(_Wire):
+    """What the trainer posts after each step, and once more when it finishes or fails; the operator
+    reads it back (GET /api/v1/progress) into the TrainingRun's status."""
+
+    step: int = Field(ge=0, description="steps done so far")
+    total_steps: int = Field(ge=1)
+    state: ProgressState = "running"
+    reward_mean: float | None = Field(default=None, description="mean reward of the step just done")
+    message: str | None = Field(default=None, max_length=4096, description="why it failed, for example")
+    config_sha256: str | None = Field(
+        default=None,
+        max_length=64,
+        description="sha256 of the run config the trainer runs, so a report about an older config is "
+        "recognisable as such",
+    )
+
+
+class ProgressOut(BaseModel):
+    reported: bool = Field(description="whether the trainer has reported since the gateway started")
+    step: int
+    total_steps: int | None
+    state: ProgressState | None
+    reward_mean: float | None
+    reward_history: list[float] = Field(description="reward means of the last 100 reported steps, in order")
+    message: str | None
+    config_sha256: str | None
+    model_version: int | None = Field(description="the active model version")
+    rollouts: dict[RolloutStatus, int] = Field(description="rollouts in the store by status")
+    updated_at: float | None

@@ -12,6 +12,7 @@ version up to K behind the one it updates (each sample records its versions; `st
 
 import asyncio
 import json
+import logging
 import math
 import random
 import shutil
@@ -22,11 +23,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
+import httpx
 
-from inharness.gateway.client import GatewayClient
-from inharness.gateway.schema import ExportedRollout
+from inharness.gateway.client import GatewayClient, GatewayError
+from inharness.gateway.schema import ExportedRollout, ProgressReport, ProgressState
 from inharness.trainer.report import append_metrics, truncate_metrics
 from inharness.trainer.samples import Sample, build_batch
+
+log = logging.getLogger("inharness.trainer")
 
 # Keys of the loop's own metrics; the policy's metrics of the same name are kept with a prefix.
 _OWN_KEYS = {"step", "version", "samples", "tokens", "rollouts", "calls"}
@@ -55,6 +59,7 @@ class LoopConfig:
     seed: int
     max_tokens_per_sample: int | None
     update: Any  # the policy's update configuration, passed through
+    config_sha256: str | None = None  # of the run config, echoed in progress reports (cluster runs)
 
 
 @dataclass
@@ -172,6 +177,25 @@ class TrainingLoop:
             last = self.state.step == self.cfg.steps
             if last or self.state.step % self.cfg.checkpoint_interval == 0:
                 await asyncio.to_thread(self.checkpoint)
+            await self.report("complete" if last else "running", reward_mean=metrics["reward_mean"])
+
+    async def report(
+        self, state: ProgressState, *, reward_mean: float | None = None, message: str | None = None
+    ) -> None:
+        """Tell the gateway where training stands (the operator shows it in the run's status). A
+        report that does not get through is logged and training goes on: it is for watching only."""
+        report = ProgressReport(
+            step=self.state.step,
+            total_steps=self.cfg.steps,
+            state=state,
+            reward_mean=None if reward_mean is None or math.isnan(reward_mean) else reward_mean,
+            message=message,
+            config_sha256=self.cfg.config_sha256,
+        )
+        try:
+            await self.gw.report_progress(report)
+        except (GatewayError, httpx.HTTPError) as exc:
+            log.warning("progress report for step %d not delivered: %s", self.state.step, exc)
 
     # -- rollouts ----------------------------------------------------------------------------
 

@@ -1,0 +1,31 @@
+"""The trainer's last progress report and the reward of recent steps, kept by the gateway so that
+whoever watches the run (the operator, a user with the admin token) asks one place.
+
+Held in memory: after a gateway restart the board is empty until the trainer's next report, and
+the operator keeps the last values it wrote into the TrainingRun's status meanwhile.
+"""
+
+import time
+
+from inharness.gateway import schema
+
+HISTORY = 100
+
+
+class ProgressBoard:
+    def __init__(self) -> None:
+        self.last: schema.ProgressReport | None = None
+        self.updated_at: float | None = None
+        self._rewards: dict[int, float] = {}
+
+    def record(self, report: schema.ProgressReport) -> None:
+        """Keep the report; a resumed trainer reporting an earlier step drops the steps after it."""
+        self._rewards = {s: r for s, r in self._rewards.items() if s <= report.step}
+        if report.reward_mean is not None and report.step > 0:
+            self._rewards[report.step] = report.reward_mean
+        for old in sorted(self._rewards)[:-HISTORY]:
+            del self._rewards[old]
+        self.last, self.updated_at = report, time.time()
+
+    def history(self) -> list[float]:
+        return [self._rewards[s] for s in sorted(self._rewards)]
