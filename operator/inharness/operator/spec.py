@@ -363,6 +363,55 @@ class Checkpoint(SpecModel):
     keep: int = Field(default=3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
 
 
+class ResourceRequirements(SpecModel):
+    requests: dict[str, str | int] = Field(
+        default_factory=dict, description="Resource requests, e.g. {cpu: '2', memory: 8Gi}."
+    )
+    limits: dict[str, str | int] = Field(default_factory=dict, description="Resource limits.")
+
+
+class PodOverrides(SpecModel):
+    """The allowlisted parts of a pod a user may set (never its security context or command); the
+    items are Kubernetes' own objects (EnvVar, Volume, VolumeMount, Toleration, Affinity)."""
+
+    resources: ResourceRequirements | None = Field(
+        default=None, description="Merged per key over the defaults of the container."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (added).")
+    affinity: dict[str, Any] | None = Field(default=None, description="Pod affinity.")
+    env: list[dict[str, Any]] = Field(
+        default_factory=list, description="Container env vars; one named like a default replaces it."
+    )
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, description="Pod volumes; one named like a default (store, work) replaces it."
+    )
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, description="Container mounts; one at a default's mountPath replaces it."
+    )
+    service_account_name: str | None = Field(default=None, description="Pod serviceAccountName.")
+    priority_class_name: str | None = Field(default=None, description="Pod priorityClassName.")
+    image_pull_secrets: list[dict[str, str]] = Field(
+        default_factory=list, description="Pod imagePullSecrets, e.g. [{name: regcred}]."
+    )
+
+
+class GatewaySpec(SpecModel):
+    image: str | None = Field(
+        default=None, min_length=1, description="Gateway image; default: the operator's setting."
+    )
+    pod: PodOverrides | None = Field(default=None, description="Overrides of the gateway pod.")
+
+
+class TrainerSpec(SpecModel):
+    image: str | None = Field(
+        default=None, min_length=1, description="Trainer image; default: the operator's setting."
+    )
+    gpus: int = Field(default=1, ge=0, le=64, description="GPUs of the trainer pod (nvidia.com/gpu).")
+    shm_size: str = Field(default="8Gi", min_length=1, description="Size of /dev/shm (a memory emptyDir).")
+    pod: PodOverrides | None = Field(default=None, description="Overrides of the trainer pod.")
+
+
 class TrainingRunSpec(SpecModel):
     model: PolicyModel = Field(description="The policy to train.")
     dataset: Dataset = Field(description="Tasks to train on.")
@@ -376,6 +425,12 @@ class TrainingRunSpec(SpecModel):
     generation: Generation = Field(default_factory=Generation, description="Sampling of the policy.")
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpointing.")
     seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seed for task order and initialization.")
+    suspend: bool = Field(
+        default=False,
+        description="Scale the gateway and trainer to zero, keeping their state; false resumes.",
+    )
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec, description="The run's gateway on a cluster.")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="The run's trainer on a cluster.")
 
 
 class TrainingRun(SpecModel):

@@ -43,9 +43,10 @@ class Specs:
         return _resolve(self.base_dir, value)
 
 
-def load_specs(path: str | PathLike[str], *, run: str | None = None) -> Specs:
+def load_specs(path: str | PathLike[str], *, run: str | None = None, check_files: bool = True) -> Specs:
     """Read, validate and resolve a spec file. `run` picks a TrainingRun by name when the file
-    holds several."""
+    holds several. `check_files=False` skips the checks that paths exist on this machine (for a
+    spec meant for a cluster, whose paths are inside the containers)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -53,7 +54,7 @@ def load_specs(path: str | PathLike[str], *, run: str | None = None) -> Specs:
         raise SpecError(f"{path}: cannot read: {exc}") from None
     base_dir = path.resolve().parent
     docs = _validate_all(path, _parse_yaml(path, text))
-    return _resolve_refs(path, base_dir, docs, run)
+    return _resolve_refs(path, base_dir, docs, run, check_files)
 
 
 def load_tasks(specs: Specs) -> list[Any]:
@@ -217,7 +218,9 @@ def _names(items: Iterable[tuple[str, Resource]]) -> str:
     return ", ".join(names) if names else "none"
 
 
-def _resolve_refs(path: Path, base_dir: Path, docs: list[tuple[str, Resource]], run: str | None) -> Specs:
+def _resolve_refs(
+    path: Path, base_dir: Path, docs: list[tuple[str, Resource]], run: str | None, check_files: bool = True
+) -> Specs:
     errors: list[str] = []
     by_kind: dict[str, dict[str, tuple[str, Resource]]] = {k: {} for k in KINDS}
     for where, res in docs:
@@ -242,7 +245,7 @@ def _resolve_refs(path: Path, base_dir: Path, docs: list[tuple[str, Resource]], 
                 f"(RolloutPools here: {_names(pools.values())})"
             )
         dataset = tr.spec.dataset.path
-        if dataset is not None and not _resolve(base_dir, dataset).is_file():
+        if check_files and dataset is not None and not _resolve(base_dir, dataset).is_file():
             errors.append(f"{where}: spec.dataset.path: file not found: {_resolve(base_dir, dataset)}")
 
     used_harnesses: set[str] = set()
@@ -260,7 +263,7 @@ def _resolve_refs(path: Path, base_dir: Path, docs: list[tuple[str, Resource]], 
             continue
         h_where, harness = harnesses[ref]
         assert isinstance(harness, HarnessSpec)
-        errors += _check_pool_with_harness(base_dir, where, pool, h_where, harness)
+        errors += _check_pool_with_harness(base_dir, where, pool, h_where, harness, check_files)
 
     for where, harness in harnesses.values():
         if harness.metadata.name not in used_harnesses:
@@ -288,7 +291,12 @@ def _resolve_refs(path: Path, base_dir: Path, docs: list[tuple[str, Resource]], 
 
 
 def _check_pool_with_harness(
-    base_dir: Path, where: str, pool: RolloutPool, h_where: str, harness: HarnessSpec
+    base_dir: Path,
+    where: str,
+    pool: RolloutPool,
+    h_where: str,
+    harness: HarnessSpec,
+    check_files: bool = True,
 ) -> list[str]:
     """Rules that need both documents: the lease against the harness's timeout, and what each
     backend needs from the harness."""
@@ -303,7 +311,7 @@ def _check_pool_with_harness(
     pool_name = f'RolloutPool "{pool.metadata.name}"'
     if p.backend == "kubernetes" and h.image is None:
         errors.append(f"{h_where}: spec.image: required, as {pool_name} runs it with backend kubernetes")
-    if p.backend == "local" and h.working_dir is not None:
+    if check_files and p.backend == "local" and h.working_dir is not None:
         wd = _resolve(base_dir, h.working_dir)
         if not wd.is_dir():
             errors.append(f"{h_where}: spec.workingDir: not a directory: {wd} ({pool_name} runs it locally)")

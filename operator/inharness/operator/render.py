@@ -1,0 +1,585 @@
+"""TrainingRun -> the Kubernetes objects that run it, as plain dicts: pure functions, no API calls.
+
+The operator applies exactly what `render_children` returns, and `inharness operator render` prints
+the same, so a preview (or `kubectl apply --dry-run=server`) shows what the operator would create.
+
+Children of TrainingRun `<run>` (all in the run's namespace, all with the recommended labels):
+- Secret `<run>-gateway` (key `admin-token`): generated once by the operator and then kept; render
+  takes the token as an input, so rendering is deterministic.
+- ConfigMap `<run>-config` (key `run.yaml`): the TrainingRun, its RolloutPool and HarnessSpec as one
+  spec file, the file the trainer reads (the same format `inharness run` takes locally).
+- PersistentVolumeClaim `<run>-gateway-store`, Deployment + Service `<run>-gateway`: the gateway, its
+  SQLite store on the claim (so suspend and pod restarts keep every recorded call).
+- StatefulSet + headless Service `<run>-trainer`: the trainer and its engine (port 8001), Ray-ready
+  ports, GPUs as `nvidia.com/gpu`, /dev/shm as a memory emptyDir, a `work` claim for checkpoints.
+
+Owner references: render adds them when given the owner's uid (the operator passes the TrainingRun's
+uid); the CLI preview has no uid and leaves them out. Doing it here rather than with `kopf.adopt`
+keeps the objects the operator compares against the live ones complete in one place.
+
+Paths: relative paths of the spec (model, dataset, checkpoint dir) resolve against the containers'
+working directory, /workspace, as they resolve against the spec file's directory locally. The model
+reaches the pods through the image or through a volume the user mounts with the allowlisted pod
+overrides, on both the gateway (it needs the tokenizer) and the trainer.
+
+Pod overrides: user `volumes` replace a default volume of the same name (e.g. `store` or `work` with
+a volume of one's own; then no claim is rendered for it), user `volumeMounts` replace a default
+mount at the same path, user `env` replaces a default variable of the same name; resources merge per
+key. The security context is not overridable: every pod runs at the "restricted" Pod Security level.
+"""
+
+import base64
+import hashlib
+import os
+import secrets
+from collections.abc import Mapping
+from importlib.metadata import version
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from inharness.operator.spec import API_VERSION, HarnessSpec, RolloutPool, TrainingRun
+
+Obj = dict[str, Any]
+
+GATEWAY_PORT = 8000
+ENGINE_PORT = 8001
+RAY_PORTS = (("ray-gcs", 6379), ("ray-dashboard", 8265), ("ray-client", 10001))
+ADMIN_TOKEN_KEY = "admin-token"
+CONFIG_KEY = "run.yaml"
+CONFIG_DIR = "/etc/inharness"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+WORKSPACE = "/workspace"
+STORE_DIR = "/var/lib/inharness/store"
+TRAINER_DIR = "/var/lib/inharness/trainer"
+RUN_AS = 1000
+
+CONFIG_HASH_ANNOTATION = "inharness.dev/config-sha256"
+TOKEN_HASH_ANNOTATION = "inharness.dev/admin-token-sha256"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+class RenderSettings(BaseModel):
+    """Operator-wide settings that shape the children; the chart sets them through env vars."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gateway_image: str = Field(min_length=1, description="Image that runs `inharness gateway`.")
+    trainer_image: str = Field(min_length=1, description="Image that runs `inharness train`.")
+    namespace: str = Field(default="default", description="Namespace of runs that name none (render CLI).")
+    gateway_store_size: str = Field(default="1Gi", description="Size of the gateway store's claim.")
+    trainer_storage_size: str = Field(default="20Gi", description="Size of the trainer's work claim.")
+    storage_class: str | None = Field(default=None, description="StorageClass of both claims; None: default.")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ, **overrides: Any) -> "RenderSettings":
+        ver = version("inharness")
+        values: dict[str, Any] = {
+            "gateway_image": env.get("INHARNESS_GATEWAY_IMAGE") or f"ghcr.io/inharness/inharness:{ver}",
+            "trainer_image": env.get("INHARNESS_TRAINER_IMAGE") or f"ghcr.io/inharness/trainer:{ver}",
+            "gateway_store_size": env.get("INHARNESS_GATEWAY_STORE_SIZE") or "1Gi",
+            "trainer_storage_size": env.get("INHARNESS_TRAINER_STORAGE_SIZE") or "20Gi",
+            "storage_class": env.get("INHARNESS_STORAGE_CLASS") or None,
+        }
+        return cls(**{**values, **overrides})
+
+
+# --- names and labels --------------------------------------------------------------------------------
+
+
+def gateway_name(run: str) -> str:
+    return f"{run}-gateway"
+
+
+def trainer_name(run: str) -> str:
+    return f"{run}-trainer"
+
+
+def config_name(run: str) -> str:
+    return f"{run}-config"
+
+
+def store_claim_name(run: str) -> str:
+    return f"{run}-gateway-store"
+
+
+def engine_url(run: str) -> str:
+    """The engine of trainer replica 0 through the headless Service, as the gateway reaches it."""
+    return f"http://{trainer_name(run)}-0.{trainer_name(run)}:{ENGINE_PORT}"
+
+
+def gateway_url(run: str, namespace: str | None = None) -> str:
+    host = gateway_name(run) if namespace is None else f"{gateway_name(run)}.{namespace}.svc"
+    return f"http://{host}:{GATEWAY_PORT}"
+
+
+def selector_labels(run: str, component: str) -> dict[str, str]:
+    """The immutable subset used by selectors: no version, nothing that may change."""
+    return {
+        "app.kubernetes.io/name": "inharness",
+        "app.kubernetes.io/instance": run,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(run: str, component: str) -> dict[str, str]:
+    return {
+        **selector_labels(run, component),
+        "app.kubernetes.io/part-of": "inharness",
+        "app.kubernetes.io/managed-by": "inharness-operator",
+        "inharness.dev/training-run": run,
+    }
+
+
+def owner_reference(run: str, uid: str) -> Obj:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "TrainingRun",
+        "name": run,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(run: str, name: str, component: str, namespace: str, owner_uid: str | None) -> Obj:
+    meta: Obj = {"name": name, "namespace": namespace, "labels": labels(run, component)}
+    if owner_uid is not None:
+        meta["ownerReferences"] = [owner_reference(run, owner_uid)]
+    return meta
+
+
+# --- secret and config -------------------------------------------------------------------------------
+
+
+def new_admin_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def admin_token_of(secret: Mapping[str, Any] | None) -> str | None:
+    """The token held by a live Secret, or None when it has none (then the operator makes one)."""
+    if not secret:
+        return None
+    encoded = (secret.get("data") or {}).get(ADMIN_TOKEN_KEY)
+    if not encoded:
+        return None
+    try:
+        token = base64.b64decode(encoded, validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return token or None
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_config(run: TrainingRun, pool: RolloutPool, harness: HarnessSpec, namespace: str) -> str:
+    """The spec file the trainer reads: the three documents with defaults filled in, no status, and
+    metadata cut to name and namespace. `spec.suspend` is left out, so suspending only scales."""
+
+    def doc(res: TrainingRun | RolloutPool | HarnessSpec) -> Obj:
+        body = res.model_dump(mode="json", by_alias=True, exclude={"status", "metadata"})
+        body["metadata"] = {"name": res.metadata.name, "namespace": namespace}
+        return {"apiVersion": body.pop("apiVersion"), "kind": body.pop("kind"), **body}
+
+    tr = doc(run)
+    tr["spec"].pop("suspend", None)
+    return yaml.safe_dump_all([doc(harness), doc(pool), tr], sort_keys=False)
+
+
+def config_sha256(run: TrainingRun, pool: RolloutPool, harness: HarnessSpec, namespace: str) -> str:
+    return _sha256(run_config(run, pool, harness, namespace))
+
+
+# --- pod building blocks -----------------------------------------------------------------------------
+
+_CONTAINER_SECURITY: Obj = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+_POD_SECURITY: Obj = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS,
+    "runAsGroup": RUN_AS,
+    "fsGroup": RUN_AS,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def _resolve(path: str) -> str:
+    return path if path.startswith("/") else f"{WORKSPACE}/{path}"
+
+
+def _token_env(run: str) -> Obj:
+    return {
+        "name": "INHARNESS_GATEWAY_ADMIN_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": gateway_name(run), "key": ADMIN_TOKEN_KEY}},
+    }
+
+
+def _by_key(items: list[Obj], key: str) -> dict[str, int]:
+    return {item[key]: i for i, item in enumerate(items) if key in item}
+
+
+def _merge_named(defaults: list[Obj], extra: list[Obj], key: str) -> list[Obj]:
+    """Defaults with user items of the same `key` replaced in place and the other user items appended."""
+    out = [dict(d) for d in defaults]
+    index = _by_key(out, key)
+    for item in extra:
+        if item.get(key) in index:
+            out[index[item[key]]] = item
+        else:
+            index[item[key]] = len(out)
+            out.append(item)
+    return out
+
+
+def _quantities(values: Mapping[str, Any]) -> dict[str, str]:
+    """Resource quantities as strings, as the API server returns them (so no false drift)."""
+    return {k: str(v) for k, v in values.items()}
+
+
+def _overrides_of(pod: BaseModel | None) -> Obj:
+    return pod.model_dump(mode="json", by_alias=True, exclude_none=True) if pod is not None else {}
+
+
+def _apply_overrides(pod_spec: Obj, container: Obj, overrides: Obj) -> None:
+    """The allowlisted pod overrides, applied to the pod spec and its one container."""
+    resources = overrides.get("resources") or {}
+    for part in ("requests", "limits"):
+        if resources.get(part):
+            merged = {**container.get("resources", {}).get(part, {}), **_quantities(resources[part])}
+            container.setdefault("resources", {})[part] = merged
+    if overrides.get("env"):
+        container["env"] = _merge_named(container.get("env", []), overrides["env"], "name")
+    if overrides.get("volumeMounts"):
+        container["volumeMounts"] = _merge_named(
+            container.get("volumeMounts", []), overrides["volumeMounts"], "mountPath"
+        )
+    if overrides.get("volumes"):
+        pod_spec["volumes"] = _merge_named(pod_spec.get("volumes", []), overrides["volumes"], "name")
+    if overrides.get("tolerations"):
+        pod_spec["tolerations"] = [*pod_spec.get("tolerations", []), *overrides["tolerations"]]
+    if overrides.get("nodeSelector"):
+        pod_spec["nodeSelector"] = {**pod_spec.get("nodeSelector", {}), **overrides["nodeSelector"]}
+    for key in ("affinity", "serviceAccountName", "priorityClassName", "imagePullSecrets"):
+        if overrides.get(key):
+            pod_spec[key] = overrides[key]
+
+
+def _user_volume_names(overrides: Obj) -> set[str]:
+    return {v["name"] for v in overrides.get("volumes") or [] if "name" in v}
+
+
+def _pod_spec(container: Obj, volumes: list[Obj], overrides: Obj, **extra: Any) -> Obj:
+    spec: Obj = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": dict(_POD_SECURITY),
+        "containers": [container],
+        "volumes": volumes,
+        **extra,
+    }
+    _apply_overrides(spec, container, overrides)
+    container["securityContext"] = dict(_CONTAINER_SECURITY)
+    return spec
+
+
+def _claim(size: str, settings: RenderSettings) -> Obj:
+    spec: Obj = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
+    if settings.storage_class is not None:
+        spec["storageClassName"] = settings.storage_class
+    return spec
+
+
+def _http_probe(path: str, port: str, period: int, failures: int, timeout: int = 1) -> Obj:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+# --- the children ------------------------------------------------------------------------------------
+
+
+def render_children(
+    run: TrainingRun,
+    pool: RolloutPool,
+    harness: HarnessSpec,
+    *,
+    settings: RenderSettings,
+    admin_token: str,
+    owner_uid: str | None = None,
+    finished: bool = False,
+) -> list[Obj]:
+    """Every child of the run, in the order to apply them (what pods mount comes first).
+
+    `finished` (the run is Complete or Failed) keeps the gateway up, so its records stay readable,
+    and scales the trainer to zero to give its GPUs back; `spec.suspend` scales both to zero and
+    keeps the Secret, the ConfigMap and both claims.
+    """
+    name = run.metadata.name
+    ns = run.metadata.namespace or settings.namespace
+    config = run_config(run, pool, harness, ns)
+    token_hash = _sha256(admin_token)
+    suspended = run.spec.suspend
+
+    def meta(obj_name: str, component: str) -> Obj:
+        return _meta(name, obj_name, component, ns, owner_uid)
+
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta(gateway_name(name), "gateway"),
+        "type": "Opaque",
+        "data": {ADMIN_TOKEN_KEY: base64.b64encode(admin_token.encode()).decode()},
+    }
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta(config_name(name), "trainer"),
+        "data": {CONFIG_KEY: config},
+    }
+    out: list[Obj] = [secret, configmap]
+
+    gw_overrides = _overrides_of(run.spec.gateway.pod)
+    if "store" not in _user_volume_names(gw_overrides):
+        out.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": meta(store_claim_name(name), "gateway"),
+                "spec": _claim(settings.gateway_store_size, settings),
+            }
+        )
+    out.append(_gateway_service(name, meta(gateway_name(name), "gateway")))
+    out.append(
+        _gateway_deployment(
+            run, harness, pool, meta(gateway_name(name), "gateway"), settings, gw_overrides, token_hash
+        )
+    )
+    out.append(_trainer_service(name, meta(trainer_name(name), "trainer")))
+    out.append(
+        _trainer_statefulset(
+            run,
+            meta(trainer_name(name), "trainer"),
+            settings,
+            _sha256(config),
+            token_hash,
+            replicas=0 if suspended or finished else 1,
+        )
+    )
+    return out
+
+
+def _gateway_service(run: str, meta: Obj) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(run, "gateway"),
+            "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def _gateway_deployment(
+    run: TrainingRun,
+    harness: HarnessSpec,
+    pool: RolloutPool,
+    meta: Obj,
+    settings: RenderSettings,
+    overrides: Obj,
+    token_hash: str,
+) -> Obj:
+    name = run.metadata.name
+    container: Obj = {
+        "name": "gateway",
+        "image": run.spec.gateway.image or settings.gateway_image,
+        "command": ["inharness"],
+        "args": [
+            "gateway",
+            "--model",
+            _resolve(run.spec.model.path),
+            "--engine",
+            engine_url(name),
+            "--store",
+            f"sqlite:///{STORE_DIR}/gateway.db",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(GATEWAY_PORT),
+            "--served-model-name",
+            harness.spec.model.model_name,
+            "--max-attempts",
+            str(pool.spec.max_attempts_per_rollout),
+        ],
+        "workingDir": WORKSPACE,
+        "env": [_token_env(name), {"name": "HOME", "value": "/tmp"}],
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+        "volumeMounts": [
+            {"name": "store", "mountPath": STORE_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "startupProbe": _http_probe("/healthz", "http", period=5, failures=60),
+        "readinessProbe": _http_probe("/healthz", "http", period=10, failures=3),
+        "livenessProbe": _http_probe("/healthz", "http", period=20, failures=3, timeout=5),
+    }
+    volumes = [
+        {"name": "store", "persistentVolumeClaim": {"claimName": store_claim_name(name)}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    pod_labels = labels(name, "gateway")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": 0 if run.spec.suspend else 1,
+            # One SQLite writer on a ReadWriteOnce claim: the old pod goes before the new one starts.
+            "strategy": {"type": "Recreate"},
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(name, "gateway")},
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": {TOKEN_HASH_ANNOTATION: token_hash}},
+                "spec": _pod_spec(container, volumes, overrides),
+            },
+        },
+    }
+
+
+def _trainer_service(run: str, meta: Obj) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "clusterIP": "None",
+            # Peers (the gateway, Ray workers) resolve the pod before it is ready.
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(run, "trainer"),
+            "ports": [
+                {"name": "engine", "port": ENGINE_PORT, "targetPort": "engine", "protocol": "TCP"},
+                *({"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in RAY_PORTS),
+            ],
+        },
+    }
+
+
+def _trainer_statefulset(
+    run: TrainingRun, meta: Obj, settings: RenderSettings, config_hash: str, token_hash: str, *, replicas: int
+) -> Obj:
+    name = run.metadata.name
+    trainer = run.spec.trainer
+    overrides = _overrides_of(trainer.pod)
+    container: Obj = {
+        "name": "trainer",
+        "image": trainer.image or settings.trainer_image,
+        "command": ["inharness"],
+        "args": ["train", "--config", CONFIG_PATH, "--out", TRAINER_DIR],
+        "workingDir": WORKSPACE,
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "INHARNESS_GATEWAY_URL", "value": gateway_url(name)},
+            _token_env(name),
+            # What the gateway dials to reach this pod's engine (replica-independent, via the headless DNS).
+            {
+                "name": "INHARNESS_ENGINE_URL",
+                "value": f"http://$(POD_NAME).{trainer_name(name)}:{ENGINE_PORT}",
+            },
+            {"name": "INHARNESS_ENGINE_PORT", "value": str(ENGINE_PORT)},
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "ports": [
+            {"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            *({"name": n, "containerPort": p, "protocol": "TCP"} for n, p in RAY_PORTS),
+        ],
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "work", "mountPath": TRAINER_DIR},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        # Readiness only: a hung update is not something an HTTP probe can see, and a liveness
+        # restart would throw away the step in progress; a stuck run shows in the status instead.
+        "readinessProbe": _http_probe("/health", "engine", period=10, failures=3),
+    }
+    if trainer.gpus > 0:
+        container["resources"] = {"limits": {GPU_RESOURCE: str(trainer.gpus)}}
+    volumes: list[Obj] = [
+        {"name": "config", "configMap": {"name": config_name(name)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": trainer.shm_size}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    extra: Obj = {}
+    if trainer.gpus > 0:
+        extra["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    pod_spec = _pod_spec(container, volumes, overrides, **extra)
+    spec: Obj = {
+        "replicas": replicas,
+        "serviceName": trainer_name(name),
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": selector_labels(name, "trainer")},
+        "template": {
+            "metadata": {
+                "labels": labels(name, "trainer"),
+                "annotations": {CONFIG_HASH_ANNOTATION: config_hash, TOKEN_HASH_ANNOTATION: token_hash},
+            },
+            "spec": pod_spec,
+        },
+    }
+    if "work" not in _user_volume_names(overrides):
+        spec["volumeClaimTemplates"] = [
+            {
+                "metadata": {"name": "work", "labels": labels(name, "trainer")},
+                "spec": _claim(settings.trainer_storage_size, settings),
+            }
+        ]
+        # Checkpoints outlive a scale-down (suspend) and go with the run.
+        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": spec}
+
+
+def to_yaml(objects: list[Obj]) -> str:
+    return yaml.safe_dump_all(objects, sort_keys=False)
+
+
+def render_file(
+    path: str,
+    *,
+    settings: RenderSettings,
+    admin_token: str | None = None,
+    run: str | None = None,
+) -> str:
+    """`inharness operator render FILE`: the children of the file's TrainingRun as a YAML stream.
+
+    Without `admin_token` a fresh one is generated, as the operator does for a new run (so the
+    output is safe to apply); pass one for output that diffs cleanly. Paths are not checked on
+    this machine: on a cluster they are inside the containers.
+    """
+    from inharness.operator.specfile import load_specs
+
+    specs = load_specs(path, run=run, check_files=False)
+    objects = render_children(
+        specs.training_run,
+        specs.rollout_pool,
+        specs.harness,
+        settings=settings,
+        admin_token=admin_token or new_admin_token(),
+    )
+    head = (
+        f"# Rendered by `inharness operator render {path}`: what the operator creates for TrainingRun "
+        f'"{specs.training_run.metadata.name}".\n'
+        "# The operator also sets ownerReferences (to the TrainingRun's uid), which a preview cannot know.\n"
+    )
+    return head + to_yaml(objects)

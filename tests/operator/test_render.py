@@ -1,0 +1,389 @@
+"""What the operator creates for a TrainingRun: names, labels, owner references, pod overrides,
+restricted pod security, GPUs, suspend, determinism; every object checked against Kubernetes' own
+schemas (kubernetes-validate) at the oldest and newest versions the chart claims."""
+
+import argparse
+import base64
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from inharness.cli import _gateway_parser
+from inharness.operator import render
+from inharness.operator.render import RenderSettings, render_children
+from inharness.operator.spec import TrainingRun
+from inharness.operator.specfile import Specs, load_specs
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "calc" / "trainingrun.yaml"
+SETTINGS = RenderSettings(
+    gateway_image="example.org/inharness:test", trainer_image="example.org/trainer:test"
+)
+TOKEN = "test-admin-token-0123456789"
+UID = "6f1c1d8e-1111-2222-3333-444455556666"
+K8S_VERSIONS = ["1.29.0", "1.35.0"]
+
+
+@pytest.fixture(scope="module")
+def specs() -> Specs:
+    return load_specs(EXAMPLE, check_files=False)
+
+
+def with_spec(specs: Specs, **spec: Any) -> TrainingRun:
+    """The example's TrainingRun with camelCase spec fields replaced, validated like user input."""
+    doc = specs.training_run.model_dump(mode="json", by_alias=True)
+    doc["spec"].update(copy.deepcopy(spec))
+    return TrainingRun.model_validate(doc)
+
+
+def children(specs: Specs, run: TrainingRun | None = None, **kwargs: Any) -> dict[str, dict[str, Any]]:
+    objs = render_children(
+        run or specs.training_run,
+        specs.rollout_pool,
+        specs.harness,
+        settings=kwargs.pop("settings", SETTINGS),
+        admin_token=kwargs.pop("admin_token", TOKEN),
+        **kwargs,
+    )
+    out = {f"{o['kind']}/{o['metadata']['name']}": o for o in objs}
+    assert len(out) == len(objs), "two children share a kind and name"
+    return out
+
+
+def pod_specs(objs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        k: o["spec"]["template"]["spec"]
+        for k, o in objs.items()
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
+
+
+def container(objs: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+    (c,) = objs[key]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+def test_children_are_named_by_the_contract(specs: Specs) -> None:
+    assert set(children(specs)) == {
+        "Secret/calc-gateway",
+        "ConfigMap/calc-config",
+        "PersistentVolumeClaim/calc-gateway-store",
+        "Service/calc-gateway",
+        "Deployment/calc-gateway",
+        "Service/calc-trainer",
+        "StatefulSet/calc-trainer",
+    }
+
+
+def test_every_child_and_pod_carries_the_recommended_labels_and_the_namespace(specs: Specs) -> None:
+    objs = children(specs, settings=SETTINGS.model_copy(update={"namespace": "team-a"}))
+    for key, obj in objs.items():
+        component = "trainer" if key in ("ConfigMap/calc-config",) or "trainer" in key else "gateway"
+        assert obj["metadata"]["namespace"] == "team-a", key
+        assert obj["metadata"]["labels"] == {
+            "app.kubernetes.io/name": "inharness",
+            "app.kubernetes.io/instance": "calc",
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/part-of": "inharness",
+            "app.kubernetes.io/managed-by": "inharness-operator",
+            "inharness.dev/training-run": "calc",
+        }, key
+    for key in ("Deployment/calc-gateway", "StatefulSet/calc-trainer"):
+        spec = objs[key]["spec"]
+        selector = spec["selector"]["matchLabels"]
+        assert selector.items() <= spec["template"]["metadata"]["labels"].items()
+        assert "app.kubernetes.io/managed-by" not in selector  # selectors stay minimal and immutable
+    service = objs["Service/calc-gateway"]["spec"]
+    assert service["selector"] == objs["Deployment/calc-gateway"]["spec"]["selector"]["matchLabels"]
+    assert service["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_owner_references_only_when_the_owner_uid_is_known(specs: Specs) -> None:
+    for obj in children(specs).values():
+        assert "ownerReferences" not in obj["metadata"]
+    for obj in children(specs, owner_uid=UID).values():
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "inharness.dev/v1alpha1",
+                "kind": "TrainingRun",
+                "name": "calc",
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+
+
+def test_rendering_is_deterministic_and_the_token_only_touches_secret_and_pod_hashes(specs: Specs) -> None:
+    a, b = children(specs, owner_uid=UID), children(specs, owner_uid=UID)
+    assert yaml.safe_dump(a) == yaml.safe_dump(b)
+    other = children(specs, owner_uid=UID, admin_token="another-token-abcdefgh")
+    differ = {k for k in a if a[k] != other[k]}
+    assert differ == {"Secret/calc-gateway", "Deployment/calc-gateway", "StatefulSet/calc-trainer"}
+    for key in ("Deployment/calc-gateway", "StatefulSet/calc-trainer"):
+        x, y = copy.deepcopy(a[key]), copy.deepcopy(other[key])
+        for o in (x, y):
+            o["spec"]["template"]["metadata"]["annotations"].pop(render.TOKEN_HASH_ANNOTATION)
+        assert x == y, key
+
+
+def test_the_secret_holds_the_token_and_reads_back(specs: Specs) -> None:
+    secret = children(specs)["Secret/calc-gateway"]
+    assert base64.b64decode(secret["data"]["admin-token"]).decode() == TOKEN
+    assert render.admin_token_of(secret) == TOKEN
+    assert render.admin_token_of(None) is None
+    assert render.admin_token_of({"data": {}}) is None
+    assert render.admin_token_of({"data": {"admin-token": "not base64!"}}) is None
+    assert len(render.new_admin_token()) >= 32 and render.new_admin_token() != render.new_admin_token()
+
+
+def test_restricted_pod_security_on_every_pod_and_container(specs: Specs) -> None:
+    for key, pod in pod_specs(children(specs)).items():
+        assert pod["securityContext"]["runAsNonRoot"] is True, key
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, key
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            assert sc["runAsNonRoot"] is True
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        kinds = {next(k for k in v if k != "name") for v in pod["volumes"]}
+        assert kinds <= {"configMap", "emptyDir", "persistentVolumeClaim", "secret", "projected"}
+
+
+def test_gateway_runs_flags_the_gateway_accepts_with_the_token_from_the_secret(specs: Specs) -> None:
+    c = container(children(specs), "Deployment/calc-gateway")
+    assert c["command"] == ["inharness"] and c["args"][0] == "gateway"
+    parser = argparse.ArgumentParser()
+    _gateway_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(c["args"])  # the real `inharness gateway` parser
+    assert args.model == "/workspace/model"
+    assert args.engine == ["http://calc-trainer-0.calc-trainer:8001"]
+    assert args.store == f"sqlite:///{render.STORE_DIR}/gateway.db"
+    assert (args.host, args.port) == ("0.0.0.0", 8000)
+    assert args.served_model_name == "calc-policy"
+    assert args.max_attempts == specs.rollout_pool.spec.max_attempts_per_rollout
+    assert args.admin_token is None  # never on the command line
+    assert env_of(c)["INHARNESS_GATEWAY_ADMIN_TOKEN"] == {
+        "secretKeyRef": {"name": "calc-gateway", "key": "admin-token"}
+    }
+    assert {m["mountPath"]: m["name"] for m in c["volumeMounts"]}[render.STORE_DIR] == "store"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    deployment = children(specs)["Deployment/calc-gateway"]["spec"]
+    assert deployment["strategy"] == {"type": "Recreate"} and deployment["replicas"] == 1
+
+
+def test_trainer_gets_gpus_shm_ray_ports_config_and_a_work_claim(specs: Specs) -> None:
+    run = with_spec(specs, trainer={"gpus": 4, "shmSize": "32Gi", "image": "example.org/custom:1"})
+    objs = children(specs, run)
+    sts = objs["StatefulSet/calc-trainer"]["spec"]
+    c = container(objs, "StatefulSet/calc-trainer")
+    pod = sts["template"]["spec"]
+    assert c["image"] == "example.org/custom:1"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts["/dev/shm"] == "dshm" and mounts[render.CONFIG_DIR] == "config"
+    assert volumes["config"]["configMap"]["name"] == "calc-config"
+    assert {p["containerPort"] for p in c["ports"]} == {8001, 6379, 8265, 10001}
+    assert [t["metadata"]["name"] for t in sts["volumeClaimTemplates"]] == ["work"]
+    assert mounts[render.TRAINER_DIR] == "work"
+    assert sts["serviceName"] == "calc-trainer"
+    headless = objs["Service/calc-trainer"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert {p["port"] for p in headless["ports"]} == {8001, 6379, 8265, 10001}
+    env = env_of(c)
+    assert env["INHARNESS_GATEWAY_URL"] == "http://calc-gateway:8000"
+    assert env["INHARNESS_ENGINE_URL"] == "http://$(POD_NAME).calc-trainer:8001"
+
+
+def test_a_cpu_trainer_asks_for_no_gpu(specs: Specs) -> None:
+    objs = children(specs, with_spec(specs, trainer={"gpus": 0}))
+    c = container(objs, "StatefulSet/calc-trainer")
+    assert (
+        "nvidia.com/gpu" not in str(c.get("resources"))
+        and "tolerations" not in pod_specs(objs)["StatefulSet/calc-trainer"]
+    )
+
+
+def test_suspend_scales_both_to_zero_and_keeps_secret_config_and_claims(specs: Specs) -> None:
+    objs = children(specs, with_spec(specs, suspend=True))
+    assert objs["Deployment/calc-gateway"]["spec"]["replicas"] == 0
+    assert objs["StatefulSet/calc-trainer"]["spec"]["replicas"] == 0
+    assert {
+        "Secret/calc-gateway",
+        "ConfigMap/calc-config",
+        "PersistentVolumeClaim/calc-gateway-store",
+    } <= set(objs)
+    assert (
+        objs["StatefulSet/calc-trainer"]["spec"]["persistentVolumeClaimRetentionPolicy"]["whenScaled"]
+        == "Retain"
+    )
+    resumed = children(specs)
+    assert resumed["StatefulSet/calc-trainer"]["spec"]["replicas"] == 1
+    # suspend only scales: the trainer's config (and so its pod template) is the same either way
+    assert objs["ConfigMap/calc-config"] == resumed["ConfigMap/calc-config"]
+    assert (
+        objs["StatefulSet/calc-trainer"]["spec"]["template"]
+        == resumed["StatefulSet/calc-trainer"]["spec"]["template"]
+    )
+
+
+def test_a_finished_run_keeps_its_gateway_and_gives_the_trainer_back(specs: Specs) -> None:
+    objs = children(specs, finished=True)
+    assert objs["Deployment/calc-gateway"]["spec"]["replicas"] == 1
+    assert objs["StatefulSet/calc-trainer"]["spec"]["replicas"] == 0
+
+
+def test_pod_overrides_are_applied_on_gateway_and_trainer(specs: Specs) -> None:
+    pod = {
+        "resources": {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
+        "nodeSelector": {"pool": "gpu-a100"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                    ]
+                }
+            }
+        },
+        "env": [{"name": "HOME", "value": "/home/rl"}, {"name": "EXTRA", "value": "1"}],
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/workspace/model", "readOnly": True}],
+        "serviceAccountName": "rl-runner",
+        "priorityClassName": "high",
+        "imagePullSecrets": [{"name": "regcred"}],
+    }
+    objs = children(specs, with_spec(specs, gateway={"pod": pod}, trainer={"gpus": 1, "pod": pod}))
+    for key in ("Deployment/calc-gateway", "StatefulSet/calc-trainer"):
+        spec = pod_specs(objs)[key]
+        c = container(objs, key)
+        assert spec["nodeSelector"] == {"pool": "gpu-a100"}, key
+        assert pod["tolerations"][0] in spec["tolerations"]
+        assert spec["affinity"] == pod["affinity"]
+        assert spec["serviceAccountName"] == "rl-runner" and spec["priorityClassName"] == "high"
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+        env = env_of(c)
+        assert env["HOME"] == "/home/rl" and env["EXTRA"] == "1"
+        assert [e["name"] for e in c["env"]].count("HOME") == 1
+        assert "INHARNESS_GATEWAY_ADMIN_TOKEN" in env  # ours stay
+        assert c["resources"]["requests"] == {**c["resources"]["requests"], "cpu": "2", "memory": "8Gi"}
+        assert c["resources"]["limits"]["memory"] == "16Gi"
+        assert {"name": "models", "mountPath": "/workspace/model", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "models", "persistentVolumeClaim": {"claimName": "models"}} in spec["volumes"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False  # not overridable
+    assert container(objs, "StatefulSet/calc-trainer")["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_user_store_and_work_volumes_replace_the_claims(specs: Specs) -> None:
+    gateway = {"pod": {"volumes": [{"name": "store", "persistentVolumeClaim": {"claimName": "my-store"}}]}}
+    trainer = {"gpus": 0, "pod": {"volumes": [{"name": "work", "emptyDir": {}}]}}
+    objs = children(specs, with_spec(specs, gateway=gateway, trainer=trainer))
+    assert "PersistentVolumeClaim/calc-gateway-store" not in objs
+    gw_volumes = {v["name"]: v for v in pod_specs(objs)["Deployment/calc-gateway"]["volumes"]}
+    assert gw_volumes["store"] == {"name": "store", "persistentVolumeClaim": {"claimName": "my-store"}}
+    sts = objs["StatefulSet/calc-trainer"]["spec"]
+    assert "volumeClaimTemplates" not in sts
+    assert {"name": "work", "emptyDir": {}} in sts["template"]["spec"]["volumes"]
+
+
+def test_the_config_map_is_a_spec_file_of_the_three_documents(specs: Specs, tmp_path: Path) -> None:
+    text = children(specs)["ConfigMap/calc-config"]["data"]["run.yaml"]
+    (tmp_path / "run.yaml").write_text(text)
+    loaded = load_specs(tmp_path / "run.yaml", check_files=False)
+    assert loaded.training_run.spec == specs.training_run.spec
+    assert loaded.rollout_pool.spec == specs.rollout_pool.spec
+    assert loaded.harness.spec == specs.harness.spec
+    docs = list(yaml.safe_load_all(text))
+    assert [d["kind"] for d in docs] == ["HarnessSpec", "RolloutPool", "TrainingRun"]
+    assert "suspend" not in docs[2]["spec"] and "status" not in docs[2]
+    # a spec change reaches the trainer's pod template through the config hash
+    other = children(specs, with_spec(specs, steps=99))
+    key = "StatefulSet/calc-trainer"
+    hashes = [
+        o[key]["spec"]["template"]["metadata"]["annotations"][render.CONFIG_HASH_ANNOTATION]
+        for o in (children(specs), other)
+    ]
+    assert hashes[0] != hashes[1]
+
+
+def test_settings_come_from_the_environment() -> None:
+    settings = RenderSettings.from_env({"INHARNESS_GATEWAY_IMAGE": "a:1", "INHARNESS_TRAINER_IMAGE": "b:2"})
+    assert (settings.gateway_image, settings.trainer_image) == ("a:1", "b:2")
+    default = RenderSettings.from_env({})
+    assert default.gateway_image.startswith("ghcr.io/inharness/inharness:")
+    assert default.trainer_image.startswith("ghcr.io/inharness/trainer:")
+
+
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_every_rendered_object_is_valid_kubernetes(specs: Specs, k8s_version: str) -> None:
+    variants = [
+        children(specs, owner_uid=UID),
+        children(
+            specs, with_spec(specs, suspend=True, trainer={"gpus": 8, "shmSize": "64Gi"}), owner_uid=UID
+        ),
+        children(
+            specs,
+            with_spec(
+                specs,
+                gateway={"pod": {"volumes": [{"name": "store", "emptyDir": {}}], "serviceAccountName": "x"}},
+                trainer={
+                    "pod": {"env": [{"name": "A", "value": "b"}], "resources": {"limits": {"memory": "1Gi"}}}
+                },
+            ),
+            settings=SETTINGS.model_copy(update={"storage_class": "fast"}),
+        ),
+    ]
+    for objs in variants:
+        for key, obj in objs.items():
+            try:
+                kubernetes_validate.validate(obj, k8s_version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(
+                    f"{key} is not valid at Kubernetes {k8s_version}: {exc.message} at {list(exc.path)}"
+                )
+
+
+def test_render_command_prints_what_the_operator_renders(specs: Specs) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "inharness.cli", "operator", "render", str(EXAMPLE), "--admin-token", TOKEN],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "INHARNESS_GATEWAY_IMAGE": SETTINGS.gateway_image,
+            "INHARNESS_TRAINER_IMAGE": SETTINGS.trainer_image,
+        },
+    ).stdout
+    printed = [d for d in yaml.safe_load_all(out) if d]
+    assert printed == list(children(specs).values())
+    assert out.startswith("# Rendered by `inharness operator render")
+
+
+def test_render_command_refuses_a_bad_file_with_the_loader_message(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("batchSize: 4", "batchSize: 0"))
+    r = subprocess.run(
+        [sys.executable, "-m", "inharness.cli", "operator", "render", str(bad)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "spec.batchSize" in r.stderr and r.stdout == ""
