@@ -88,6 +88,85 @@ def _run_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _operator_parser(sub: argparse._SubParsersAction) -> None:
+    op = sub.add_parser("operator", help="the Kubernetes operator").add_subparsers(
+        dest="operator_command", required=True
+    )
+    run = op.add_parser(
+        "run",
+        help="reconcile TrainingRuns and RolloutPools (in-cluster service account, else KUBECONFIG)",
+        description="Default images of the children: env INHARNESS_GATEWAY_IMAGE, INHARNESS_TRAINER_IMAGE.",
+    )
+    run.add_argument("--namespace", "-n", action="append", default=[], help="namespace to watch (repeatable)")
+    run.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    run.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics")
+    run.add_argument("--liveness-port", type=int, default=8081, help="liveness probe /healthz")
+    run.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=float(_env("INHARNESS_OPERATOR_RESYNC_SECONDS", "30") or 30),
+        help="every run is re-converged this often, whether or not an event arrived",
+    )
+    run.add_argument(
+        "--gateway-url",
+        default=_env("INHARNESS_OPERATOR_GATEWAY_URL", "http://{name}-gateway.{namespace}.svc:8000"),
+        help="where a run's gateway answers, {name} and {namespace} filled in (progress for the status)",
+    )
+    render = op.add_parser(
+        "render",
+        help="print the objects the operator creates for a spec file (YAML; for diff or kubectl apply)",
+    )
+    render.add_argument("file", help="YAML with the TrainingRun, its RolloutPool and HarnessSpec")
+    render.add_argument(
+        "--namespace", default=None, help="namespace of a run that names none (default: default)"
+    )
+    render.add_argument("--run", default=None, help="the TrainingRun to render when the file holds several")
+    render.add_argument(
+        "--admin-token",
+        default=None,
+        help="the gateway admin token to put in the Secret (default: a new one)",
+    )
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    if args.operator_command == "run":
+        from pydantic import ValidationError
+
+        from inharness.operator.main import OperatorConfig, run
+
+        try:
+            config = OperatorConfig(
+                namespaces=args.namespace,
+                all_namespaces=args.all_namespaces,
+                metrics_port=args.metrics_port,
+                liveness_port=args.liveness_port,
+                resync_seconds=args.resync_seconds,
+                gateway_url=args.gateway_url,
+            )
+        except ValidationError as exc:
+            print(f"inharness operator run: {exc.errors()[0]['msg']}", file=sys.stderr)
+            return 2
+        return run(config)
+    if args.operator_command == "render":
+        from inharness.operator.render import RenderSettings, render_file
+        from inharness.operator.specfile import SpecError
+
+        extra = {"namespace": args.namespace} if args.namespace else {}
+        try:
+            out = render_file(
+                args.file,
+                settings=RenderSettings.from_env(**extra),
+                admin_token=args.admin_token,
+                run=args.run,
+            )
+        except SpecError as exc:
+            print(f"inharness operator render: {exc}", file=sys.stderr)
+            return 2
+        sys.stdout.write(out)
+        return 0
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="inharness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine.add_argument("--served-model-name", default=None)
 
     _gateway_parser(sub)
+    _operator_parser(sub)
 
     run = sub.add_parser(
         "run", help="train locally from a spec file (TrainingRun + RolloutPool + HarnessSpec)"
@@ -128,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "gateway":
         return _run_gateway(args)
+    if args.command == "operator":
+        return _run_operator(args)
     if args.command == "run":
         from pathlib import Path
 
