@@ -1,0 +1,364 @@
+"""The TrainingRun controller: render the children, create or patch them, read progress from the
+run's gateway, and write the status.
+
+How it converges (level-triggered):
+- `reconcile` compares every rendered child with the live object and creates what is missing and
+  patches what drifted (a rendered field that differs; fields the API server or others add are
+  left alone). It runs on create, resume and spec updates (kopf handlers), and for every run every
+  `resync_seconds` (the operator's resync loop), so a deleted or edited child comes back even when
+  no event about the TrainingRun arrives.
+- No kopf timer or daemon: kopf puts a finalizer on every object that has one, and a finalizer
+  left behind by an uninstalled operator blocks deletion. Nothing outside Kubernetes needs cleaning
+  up, so there is no finalizer: deletion is the garbage collector's, through owner references.
+- One reconcile at a time per run (a lock), so handler and resync never interleave their writes.
+
+Status: observedGeneration, phase (Pending, Running, Suspended, Complete, Failed), progress from the
+gateway's /api/v1/progress (step, modelVersion, rewardMean, rollouts done and failed, rewardHistory),
+and the conditions Ready, Progressing, Degraded, Suspended, Complete, Failed. A phase change and a
+failed reconcile are Kubernetes Events on the TrainingRun.
+"""
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import kopf
+from pydantic import ValidationError
+
+from inharness.gateway.client import GatewayClient, GatewayError
+from inharness.gateway.schema import ProgressOut
+from inharness.operator import conditions as cond
+from inharness.operator import render
+from inharness.operator.events import EventRecorder
+from inharness.operator.kube import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    HARNESSSPECS,
+    PERSISTENTVOLUMECLAIMS,
+    ROLLOUTPOOLS,
+    SECRETS,
+    SERVICES,
+    STATEFULSETS,
+    TRAININGRUNS,
+    AlreadyExists,
+    KubeClient,
+    KubeError,
+    NotFound,
+    Resource,
+)
+from inharness.operator.metrics import OperatorMetrics
+from inharness.operator.planning import (
+    IMMUTABLE,
+    Observed,
+    compute_status,
+    gateway_available,
+    is_finished,
+    is_subset,
+    spec_model,
+    status_changed,
+    without,
+)
+from inharness.operator.spec import HarnessSpec, RolloutPool, TrainingRun
+
+log = logging.getLogger("inharness.operator.trainingruns")
+
+GROUP, VERSION, PLURAL = "inharness.dev", "v1alpha1", "trainingruns"
+RESOURCES: dict[str, Resource] = {
+    "Secret": SECRETS,
+    "ConfigMap": CONFIGMAPS,
+    "Service": SERVICES,
+    "Deployment": DEPLOYMENTS,
+    "StatefulSet": STATEFULSETS,
+    "PersistentVolumeClaim": PERSISTENTVOLUMECLAIMS,
+}
+PROGRESS_TIMEOUT = 5.0
+
+
+@dataclass
+class Context:
+    """What the handlers share: the API client, render settings and the operator's own state."""
+
+    kube: KubeClient
+    settings: render.RenderSettings
+    events: EventRecorder
+    metrics: OperatorMetrics
+    gateway_url: str = "http://{name}-gateway.{namespace}.svc:8000"
+    resync_seconds: float = 30.0
+    _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    phases: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._locks.pop((namespace, name), None)
+        self.phases.pop((namespace, name), None)
+        self.metrics.set_phases(self.phases)
+
+
+# --- the reconcile -----------------------------------------------------------------------------------
+
+
+async def _get(kube: KubeClient, resource: Resource, name: str, namespace: str) -> dict[str, Any] | None:
+    try:
+        return await kube.get(resource, name, namespace)
+    except NotFound:
+        return None
+
+
+async def apply(kube: KubeClient, obj: Mapping[str, Any]) -> dict[str, Any]:
+    """Create the object, or patch the live one when a rendered field drifted; returns the live one."""
+    kind, meta = obj["kind"], obj["metadata"]
+    resource, name, ns = RESOURCES[kind], meta["name"], meta["namespace"]
+    live = await _get(kube, resource, name, ns)
+    if live is None:
+        try:
+            return await kube.create(resource, dict(obj), ns)
+        except AlreadyExists:
+            live = await kube.get(resource, name, ns)
+    wanted = without(obj, IMMUTABLE.get(kind, ()))
+    if is_subset(wanted, live):
+        return live
+    log.info("%s %s/%s drifted from its rendering; patching", kind, ns, name)
+    return await kube.patch(resource, name, wanted, ns)
+
+
+async def _progress(
+    ctx: Context, run: str, namespace: str, token: str
+) -> tuple[ProgressOut | None, str | None]:
+    url = ctx.gateway_url.format(name=run, namespace=namespace)
+    try:
+        async with GatewayClient(url, token, timeout=PROGRESS_TIMEOUT) as gw:
+            return await gw.progress(), None
+    except (GatewayError, httpx.HTTPError, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str | None:
+    """Converge one TrainingRun; returns its phase (None: it was deleted meanwhile). Serialised per run."""
+    meta = body["metadata"]
+    ns, name = meta.get("namespace") or ctx.settings.namespace, meta["name"]
+    async with ctx.lock(ns, name):
+        try:
+            phase = await _reconcile(ctx, body, ns, name)
+        except Exception as exc:
+            ctx.metrics.reconciled("TrainingRun", "error")
+            ctx.metrics.error("TrainingRun", type(exc).__name__)
+            await ctx.events.warn(body, "ReconcileError", f"{type(exc).__name__}: {exc}")
+            raise
+        ctx.metrics.reconciled("TrainingRun", "ok")
+        return phase
+
+
+async def _reconcile(ctx: Context, body: Mapping[str, Any], ns: str, name: str) -> str | None:
+    meta = body["metadata"]
+    current: dict[str, Any] = dict(body.get("status") or {})
+    generation = int(meta.get("generation") or 1)
+    spec = body.get("spec") or {}
+    base = {
+        "generation": generation,
+        "total_steps": int(spec.get("steps") or 1),
+        "suspended": bool(spec.get("suspend")),
+    }
+    try:
+        run = spec_model(TrainingRun, body)
+    except ValidationError as exc:
+        return await _write_status(ctx, body, current, Observed(**base, invalid=_first_error(exc)))
+
+    observed = await _apply_children(ctx, run, meta, ns, name, current, base)
+    return await _write_status(ctx, body, current, observed)
+
+
+async def _apply_children(
+    ctx: Context,
+    run: TrainingRun,
+    meta: Mapping[str, Any],
+    ns: str,
+    name: str,
+    current: Mapping[str, Any],
+    base: dict[str, Any],
+) -> Observed:
+    kube = ctx.kube
+    pool_name = run.spec.rollout_pool_ref.name
+    pool_body = await _get(kube, ROLLOUTPOOLS, pool_name, ns)
+    if pool_body is None:
+        return Observed(**base, problem=("RolloutPoolNotFound", f'no RolloutPool "{pool_name}" in {ns}'))
+    try:
+        pool = spec_model(RolloutPool, pool_body)
+    except ValidationError as exc:
+        return Observed(**base, problem=("InvalidRolloutPool", _first_error(exc)))
+    harness_name = pool.spec.harness_ref.name
+    harness_body = await _get(kube, HARNESSSPECS, harness_name, ns)
+    if harness_body is None:
+        return Observed(**base, problem=("HarnessSpecNotFound", f'no HarnessSpec "{harness_name}" in {ns}'))
+    try:
+        harness = spec_model(HarnessSpec, harness_body)
+    except ValidationError as exc:
+        return Observed(**base, problem=("InvalidHarnessSpec", _first_error(exc)))
+
+    config_hash = render.config_sha256(run, pool, harness, ns)
+    secret = await _get(kube, SECRETS, render.gateway_name(name), ns)
+    token = render.admin_token_of(secret) or render.new_admin_token()
+
+    live_gateway = await _get(kube, DEPLOYMENTS, render.gateway_name(name), ns)
+    progress, progress_error = None, None
+    if gateway_available(live_gateway):
+        progress, progress_error = await _progress(ctx, name, ns, token)
+    observed = Observed(
+        **base,
+        config_sha256=config_hash,
+        gateway=live_gateway,
+        progress=progress,
+        progress_error=progress_error,
+    )
+    children = render.render_children(
+        run,
+        pool,
+        harness,
+        settings=ctx.settings,
+        admin_token=token,
+        owner_uid=meta.get("uid"),
+        finished=is_finished(current, observed),
+    )
+    applied: dict[str, Mapping[str, Any]] = {}
+    try:
+        for child in children:
+            applied[child["kind"]] = await apply(kube, child)
+    except KubeError as exc:
+        kind = children[len(applied)]["kind"] if len(applied) < len(children) else "child"
+        return Observed(
+            **{**observed.__dict__, "problem": ("ApplyFailed", f"{kind}: {exc}")}  # keep what was seen
+        )
+    return Observed(
+        **{**observed.__dict__, "gateway": applied.get("Deployment"), "trainer": applied.get("StatefulSet")}
+    )
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{loc}: {err['msg']}{more}"
+
+
+async def _write_status(
+    ctx: Context, body: Mapping[str, Any], current: dict[str, Any], observed: Observed
+) -> str | None:
+    meta = body["metadata"]
+    ns, name = meta.get("namespace") or ctx.settings.namespace, meta["name"]
+    new = compute_status(current, observed, cond.now_rfc3339())
+    if status_changed(current, new):
+        try:
+            await ctx.kube.patch(TRAININGRUNS, name, {"status": new}, ns, subresource="status")
+        except NotFound:
+            ctx.forget(ns, name)  # deleted while this reconcile ran: nothing left to report on
+            return None
+    old_phase, phase = current.get("phase"), new["phase"]
+    if old_phase != phase:
+        why = next((c for c in new["conditions"] if c["type"] == _WHY.get(phase, "Progressing")), None)
+        message = f"{old_phase or 'new'} -> {phase}" + (
+            f": {why['message']}" if why and why["message"] else ""
+        )
+        if phase in ("Failed",) or (phase == "Pending" and observed.problem):
+            await ctx.events.warn(body, phase, message)
+        else:
+            await ctx.events.info(body, phase, message)
+    ctx.phases[(ns, name)] = phase
+    ctx.metrics.set_phases(ctx.phases)
+    return phase
+
+
+_WHY = {"Failed": "Failed", "Pending": "Ready", "Complete": "Complete", "Suspended": "Suspended"}
+
+
+# --- kopf handlers -----------------------------------------------------------------------------------
+
+
+def context(memo: Any) -> Context:
+    return memo.trainingruns
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    try:
+        await reconcile(context(memo), body)
+    except KubeError as exc:
+        raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=5) from exc
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def on_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A deleted run: nothing to clean up (owner references do it), so no finalizer and no
+    deletion handler; the operator only forgets the run's lock and phase."""
+    if event["type"] == "DELETED":
+        meta = body["metadata"]
+        context(memo).forget(meta.get("namespace") or "", meta["name"])
+
+
+async def _referencing_runs(
+    ctx: Context, namespace: str, *, pool: str | None = None, harness: str | None = None
+) -> list[dict[str, Any]]:
+    runs = await ctx.kube.list(TRAININGRUNS, namespace)
+    if pool is not None:
+        return [r for r in runs if ((r.get("spec") or {}).get("rolloutPoolRef") or {}).get("name") == pool]
+    pools = await ctx.kube.list(ROLLOUTPOOLS, namespace)
+    names = {
+        p["metadata"]["name"]
+        for p in pools
+        if ((p.get("spec") or {}).get("harnessRef") or {}).get("name") == harness
+    }
+    return [r for r in runs if ((r.get("spec") or {}).get("rolloutPoolRef") or {}).get("name") in names]
+
+
+@kopf.on.create(GROUP, VERSION, "rolloutpools")
+@kopf.on.update(GROUP, VERSION, "rolloutpools", field="spec")
+async def on_pool_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A run's config includes its pool: re-render the runs that use this one (and the pool may
+    have arrived after its run)."""
+    ctx = context(memo)
+    try:
+        for run in await _referencing_runs(ctx, body["metadata"]["namespace"], pool=body["metadata"]["name"]):
+            await reconcile(ctx, run)
+    except KubeError as exc:
+        raise kopf.TemporaryError(f"reconcile of the pool's runs failed: {exc}", delay=5) from exc
+
+
+@kopf.on.create(GROUP, VERSION, "harnessspecs")
+@kopf.on.update(GROUP, VERSION, "harnessspecs", field="spec")
+async def on_harness_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    ctx = context(memo)
+    try:
+        for run in await _referencing_runs(
+            ctx, body["metadata"]["namespace"], harness=body["metadata"]["name"]
+        ):
+            await reconcile(ctx, run)
+    except KubeError as exc:
+        raise kopf.TemporaryError(f"reconcile of the harness's runs failed: {exc}", delay=5) from exc
+
+
+async def resync_forever(ctx: Context, namespaces: list[str] | None) -> None:
+    """Every resync_seconds, reconcile every TrainingRun in the watched namespaces (None: all)."""
+    while True:
+        for ns in namespaces or [None]:
+            try:
+                runs = await ctx.kube.list(TRAININGRUNS, ns)
+            except KubeError as exc:
+                log.warning("resync: cannot list TrainingRuns in %s: %s", ns or "all namespaces", exc)
+                ctx.metrics.error("TrainingRun", "ListFailed")
+                continue
+            listed = {(r["metadata"].get("namespace") or "", r["metadata"]["name"]) for r in runs}
+            for key in [k for k in ctx.phases if (ns is None or k[0] == ns) and k not in listed]:
+                ctx.forget(*key)  # deleted while a watch event about it was missed
+            for run in runs:
+                if (run.get("metadata") or {}).get("deletionTimestamp"):
+                    continue
+                try:
+                    await reconcile(ctx, run)
+                except Exception:
+                    log.exception("resync of TrainingRun %s/%s failed", ns, run["metadata"]["name"])
+        await asyncio.sleep(ctx.resync_seconds)

@@ -1,0 +1,107 @@
+"""Our Kubernetes API client against kmock's emulator on 127.0.0.1: verbs, errors, list pages
+with kinds, watch events, credentials from KUBECONFIG, request counting and pacing."""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from kmock import Server
+from kube_emulator import EmulatedCluster
+
+from inharness.operator.kube import (
+    CONFIGMAPS,
+    TRAININGRUNS,
+    AlreadyExists,
+    KubeClient,
+    NotFound,
+    Resource,
+)
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[tuple[EmulatedCluster, str]]:
+    async with EmulatedCluster() as k8s, Server(k8s) as server:
+        yield k8s, str(server.url).rstrip("/")
+
+
+def configmap(name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"a": "1"}}
+
+
+async def test_emulator_client_creates_gets_patches_lists_and_deletes(
+    emulator: tuple[EmulatedCluster, str],
+) -> None:
+    _, url = emulator
+    async with KubeClient(url, "t") as kube:
+        created = await kube.create(CONFIGMAPS, configmap("one"), "ns")
+        assert created["metadata"]["uid"] and created["metadata"]["namespace"] == "ns"
+        with pytest.raises(AlreadyExists):
+            await kube.create(CONFIGMAPS, configmap("one"), "ns")
+        patched = await kube.patch(CONFIGMAPS, "one", {"data": {"b": "2", "a": None}}, "ns")
+        assert patched["data"] == {"b": "2"}  # merge patch: null deletes
+        assert (await kube.get(CONFIGMAPS, "one", "ns"))["data"] == {"b": "2"}
+        await kube.create(CONFIGMAPS, configmap("two"), "ns")
+        listed = await kube.list(CONFIGMAPS, "ns")
+        assert sorted(o["metadata"]["name"] for o in listed) == ["one", "two"]
+        assert all(o["kind"] == "ConfigMap" and o["apiVersion"] == "v1" for o in listed)
+        await kube.delete(CONFIGMAPS, "one", "ns")
+        with pytest.raises(NotFound):
+            await kube.get(CONFIGMAPS, "one", "ns")
+        assert kube.requests["create"] == 3 and kube.requests["get"] == 2 and kube.requests["list"] == 1
+
+
+async def test_emulator_client_watch_yields_typed_events(emulator: tuple[EmulatedCluster, str]) -> None:
+    _, url = emulator
+    async with KubeClient(url) as kube:
+        await kube.create(CONFIGMAPS, configmap("before"), "ns")
+        seen: list[tuple[str, str]] = []
+        started = asyncio.Event()
+
+        async def watch() -> None:
+            async for kind, obj in kube.watch(CONFIGMAPS, "ns"):
+                seen.append((kind, obj["metadata"]["name"]))
+                started.set()
+                if kind == "DELETED":
+                    return
+
+        task = asyncio.create_task(watch())
+        await asyncio.wait_for(started.wait(), 10)
+        await kube.create(CONFIGMAPS, configmap("after"), "ns")
+        await kube.delete(CONFIGMAPS, "after", "ns")
+        await asyncio.wait_for(task, 10)
+        assert seen == [("ADDED", "before"), ("ADDED", "after"), ("DELETED", "after")]
+
+
+async def test_emulator_client_reads_kubeconfig(
+    emulator: tuple[EmulatedCluster, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k8s, url = emulator
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(k8s.kubeconfig(tmp_path / "config", url)))
+    async with KubeClient.from_environment() as kube:
+        assert kube.server == url and kube.credentials.token == "emulator-token"
+        assert await kube.list(TRAININGRUNS, "ns") == []
+
+
+async def test_client_side_rate_limit_paces_requests_beyond_the_burst(
+    emulator: tuple[EmulatedCluster, str],
+) -> None:
+    _, url = emulator
+    async with KubeClient(url, qps=20, burst=2) as kube:
+        start = time.monotonic()
+        for _ in range(6):
+            with pytest.raises(NotFound):
+                await kube.get(CONFIGMAPS, "absent", "ns")
+        # 2 from the burst, then 4 at 20/s: at least 0.2 s
+        assert time.monotonic() - start >= 0.19
+
+
+def test_resource_paths() -> None:
+    assert (
+        TRAININGRUNS.path("ns", "r", "status")
+        == "/apis/inharness.dev/v1alpha1/namespaces/ns/trainingruns/r/status"
+    )
+    assert CONFIGMAPS.path(None) == "/api/v1/configmaps"
+    assert Resource("", "v1", "namespaces", namespaced=False).path("ignored", "x") == "/api/v1/namespaces/x"

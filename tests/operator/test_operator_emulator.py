@@ -1,0 +1,442 @@
+"""The real operator (`inharness operator run`, a subprocess) against kmock's Kubernetes emulator on
+127.0.0.1: children with owner references, status and conditions, updates, drift, suspend, deletion,
+and progress read from a real gateway.
+
+The emulator is no kube-apiserver: no controller runs, so a test that needs an available gateway
+or a ready trainer writes those Deployment/StatefulSet statuses itself, as the controllers would;
+and nothing is garbage-collected, so deletion is checked through the owner references.
+"""
+
+import asyncio
+import base64
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kmock
+import pytest
+import yaml
+from kmock import Server
+from kube_emulator import EmulatedCluster
+
+from inharness.gateway.client import GatewayClient
+from inharness.gateway.schema import ProgressReport
+from inharness.procs import ServerProcess, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "calc" / "trainingrun.yaml"
+NS = "test"
+RUNS = "inharness.dev/v1alpha1/trainingruns"
+CHILDREN = {
+    ("v1/secrets", "calc-gateway"),
+    ("v1/configmaps", "calc-config"),
+    ("v1/persistentvolumeclaims", "calc-gateway-store"),
+    ("v1/services", "calc-gateway"),
+    ("apps/v1/deployments", "calc-gateway"),
+    ("v1/services", "calc-trainer"),
+    ("apps/v1/statefulsets", "calc-trainer"),
+}
+API = {
+    "inharness.dev/v1alpha1/trainingruns": "/apis/inharness.dev/v1alpha1/namespaces/test/trainingruns",
+    "inharness.dev/v1alpha1/rolloutpools": "/apis/inharness.dev/v1alpha1/namespaces/test/rolloutpools",
+    "inharness.dev/v1alpha1/harnessspecs": "/apis/inharness.dev/v1alpha1/namespaces/test/harnessspecs",
+    "v1/secrets": "/api/v1/namespaces/test/secrets",
+    "v1/configmaps": "/api/v1/namespaces/test/configmaps",
+    "v1/persistentvolumeclaims": "/api/v1/namespaces/test/persistentvolumeclaims",
+    "v1/services": "/api/v1/namespaces/test/services",
+    "apps/v1/deployments": "/apis/apps/v1/namespaces/test/deployments",
+    "apps/v1/statefulsets": "/apis/apps/v1/namespaces/test/statefulsets",
+}
+PLURAL = {
+    "TrainingRun": RUNS,
+    "RolloutPool": "inharness.dev/v1alpha1/rolloutpools",
+    "HarnessSpec": "inharness.dev/v1alpha1/harnessspecs",
+}
+TIMEOUT = 30.0
+
+
+async def eventually(check: Callable[[], Any], what: str, within: float = TIMEOUT) -> Any:
+    """Poll `check` until it returns something truthy (and return that); fail after `within` s."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while time.monotonic() < deadline:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return result
+        last = result
+        await asyncio.sleep(0.1)
+    pytest.fail(f"not within {within:.0f}s: {what} (last: {last!r})")
+
+
+@dataclass
+class Cluster:
+    k8s: EmulatedCluster
+    client: Any  # aiohttp session bound to the emulator, as kubectl would talk to it
+    metrics_url: str
+    operator: asyncio.subprocess.Process
+    log: Path
+
+    def get(self, resource: str, name: str) -> dict[str, Any] | None:
+        *group, version, plural = resource.split("/")
+        key = (kmock.resource(group[0] if group else "", version, plural), NS, name)
+        if key not in self.k8s.objects or self.k8s.objects[key].deleted:
+            return None
+        return _plain(self.k8s.objects[key].raw)
+
+    def run(self) -> dict[str, Any]:
+        run = self.get(RUNS, "calc")
+        assert run is not None
+        return run
+
+    def status(self) -> dict[str, Any]:
+        return self.run().get("status") or {}
+
+    def condition(self, type_: str) -> tuple[str, str] | None:
+        c = next((c for c in self.status().get("conditions") or [] if c["type"] == type_), None)
+        return (c["status"], c["reason"]) if c else None
+
+    async def apply(self, doc: dict[str, Any]) -> None:
+        r = await self.client.post(API[PLURAL[doc["kind"]]], json=doc)
+        assert r.status == 200 or r.status == 201, await r.text()
+
+    async def patch(self, resource: str, name: str, patch: dict[str, Any], subresource: str = "") -> None:
+        path = f"{API[resource]}/{name}" + (f"/{subresource}" if subresource else "")
+        r = await self.client.patch(
+            path, json=patch, headers={"Content-Type": "application/merge-patch+json"}
+        )
+        assert r.status == 200, await r.text()
+
+    async def delete(self, resource: str, name: str) -> None:
+        r = await self.client.delete(f"{API[resource]}/{name}")
+        assert r.status == 200, await r.text()
+
+    def events(self, reason: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for (res, _ns, _name), obj in self.k8s.objects.items():
+            if res.plural != "events" or res.group != "" or obj.deleted:
+                continue
+            event = _plain(obj.raw)
+            if event["involvedObject"]["kind"] == "TrainingRun" and reason in (None, event["reason"]):
+                out.append(event)
+        return out
+
+    async def mark_up(self) -> None:
+        """Do what the Deployment and StatefulSet controllers would: pods available and ready."""
+        deployment = self.get("apps/v1/deployments", "calc-gateway")
+        assert deployment is not None
+        gen = deployment["metadata"]["generation"]
+        await self.patch(
+            "apps/v1/deployments",
+            "calc-gateway",
+            {
+                "status": {
+                    "observedGeneration": gen,
+                    "replicas": 1,
+                    "availableReplicas": 1,
+                    "readyReplicas": 1,
+                }
+            },
+            "status",
+        )
+        await self.patch(
+            "apps/v1/statefulsets", "calc-trainer", {"status": {"replicas": 1, "readyReplicas": 1}}, "status"
+        )
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "items"):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def example_docs() -> list[dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+    for d in docs:
+        d["metadata"]["namespace"] = NS
+    return docs
+
+
+@pytest.fixture
+def gateway_port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, gateway_port: int) -> AsyncIterator[Cluster]:
+    async with EmulatedCluster() as k8s, Server(k8s) as server:
+        k8s.add_namespace(NS)
+        url = str(server.url).rstrip("/")
+        kubeconfig = k8s.kubeconfig(tmp_path / "kubeconfig", url)
+        metrics, liveness = free_port(), free_port()
+        log = tmp_path / "operator.log"
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "INHARNESS_GATEWAY_IMAGE": "example.org/inharness:test",
+            "INHARNESS_TRAINER_IMAGE": "example.org/trainer:test",
+        }
+        with log.open("wb") as out:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "inharness.cli",
+                "operator",
+                "run",
+                "--namespace",
+                NS,
+                "--metrics-port",
+                str(metrics),
+                "--liveness-port",
+                str(liveness),
+                "--resync-seconds",
+                "1",
+                "--gateway-url",
+                f"http://127.0.0.1:{gateway_port}",
+                env=env,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        c = Cluster(k8s, server.client, f"http://127.0.0.1:{metrics}/metrics", proc, log)
+        try:
+
+            async def alive() -> bool:
+                if proc.returncode is not None:
+                    pytest.fail(f"operator exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+                try:
+                    async with httpx.AsyncClient(timeout=1) as h:
+                        return (await h.get(f"http://127.0.0.1:{liveness}/healthz")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            await eventually(alive, "the operator answers its liveness probe", within=60)
+            yield c
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), 20)
+                except TimeoutError:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    await proc.wait()
+            assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
+
+
+async def apply_example(c: Cluster) -> None:
+    for doc in example_docs():
+        await c.apply(doc)
+
+
+def children_present(c: Cluster) -> bool:
+    return all(c.get(res, name) is not None for res, name in CHILDREN)
+
+
+async def test_emulator_run_gets_owned_children_status_conditions_events_and_metrics(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    await apply_example(c)
+    await eventually(lambda: children_present(c), "all seven children exist")
+    uid = c.run()["metadata"]["uid"]
+    for res, name in CHILDREN:
+        owners = c.get(res, name)["metadata"]["ownerReferences"]  # type: ignore[index]
+        assert owners == [
+            {
+                "apiVersion": "inharness.dev/v1alpha1",
+                "kind": "TrainingRun",
+                "name": "calc",
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ], (res, name)
+    status = await eventually(lambda: c.status().get("conditions") and c.status(), "a status with conditions")
+    assert status["observedGeneration"] == 1 and status["phase"] == "Pending"
+    types = {x["type"]: x for x in status["conditions"]}
+    assert set(types) == {"Ready", "Progressing", "Degraded", "Suspended", "Complete", "Failed"}
+    for x in types.values():
+        assert x["lastTransitionTime"].endswith("Z") and x["observedGeneration"] == 1
+    assert c.condition("Ready") == ("False", "GatewayNotReady")
+    assert c.condition("Progressing") == ("True", "Starting")
+    # no finalizer of ours or kopf's: deletion is the garbage collector's
+    assert not c.run()["metadata"].get("finalizers")
+    annotations = await eventually(
+        lambda: (
+            "inharness.dev/last-handled-configuration" in (c.run()["metadata"].get("annotations") or {})
+            and c.run()["metadata"]["annotations"]
+        ),
+        "kopf's diff base under our annotation prefix",
+    )
+    assert all(not k.startswith("kopf.zalando.org") for k in annotations)
+    await eventually(lambda: c.events("Pending"), "an Event for the phase change to Pending")
+
+    async def metrics() -> str | None:
+        async with httpx.AsyncClient(timeout=2) as h:
+            text = (await h.get(c.metrics_url)).text
+        ok = 'inharness_operator_reconciles_total{kind="TrainingRun",result="ok"}' in text
+        return text if ok and 'inharness_operator_training_runs{phase="Pending"} 1.0' in text else None
+
+    await eventually(metrics, "metrics count reconciles and runs by phase")
+
+
+async def test_emulator_spec_update_is_re_reconciled_into_the_config(cluster: Cluster) -> None:
+    c = cluster
+    await apply_example(c)
+    await eventually(lambda: children_present(c), "children exist")
+    await c.patch(RUNS, "calc", {"spec": {"steps": 21}})
+    assert c.run()["metadata"]["generation"] == 2
+
+    def rerendered() -> bool:
+        run_yaml = c.get("v1/configmaps", "calc-config")["data"]["run.yaml"]  # type: ignore[index]
+        return list(yaml.safe_load_all(run_yaml))[2]["spec"]["steps"] == 21
+
+    await eventually(rerendered, "the ConfigMap holds the new steps")
+    await eventually(lambda: c.status().get("observedGeneration") == 2, "observedGeneration 2")
+    assert {x["observedGeneration"] for x in c.status()["conditions"]} == {2}
+
+
+async def test_emulator_deleted_or_edited_children_are_restored_by_the_resync(cluster: Cluster) -> None:
+    c = cluster
+    await apply_example(c)
+    await eventually(lambda: children_present(c), "children exist")
+    token = c.get("v1/secrets", "calc-gateway")["data"]["admin-token"]  # type: ignore[index]
+    await c.delete("apps/v1/deployments", "calc-gateway")
+    await c.delete("v1/configmaps", "calc-config")
+    await c.patch("apps/v1/statefulsets", "calc-trainer", {"spec": {"replicas": 5}})
+    await eventually(lambda: c.get("apps/v1/deployments", "calc-gateway"), "the Deployment is recreated")
+    await eventually(lambda: c.get("v1/configmaps", "calc-config"), "the ConfigMap is recreated")
+    await eventually(
+        lambda: c.get("apps/v1/statefulsets", "calc-trainer")["spec"]["replicas"] == 1,  # type: ignore[index]
+        "the scaled StatefulSet is patched back",
+    )
+    # the token is generated once and kept
+    assert c.get("v1/secrets", "calc-gateway")["data"]["admin-token"] == token  # type: ignore[index]
+
+
+async def test_emulator_suspend_scales_to_zero_and_back_keeping_state(cluster: Cluster) -> None:
+    c = cluster
+    await apply_example(c)
+    await eventually(lambda: children_present(c), "children exist")
+    token = c.get("v1/secrets", "calc-gateway")["data"]["admin-token"]  # type: ignore[index]
+
+    def replicas() -> tuple[int, int]:
+        d, s = c.get("apps/v1/deployments", "calc-gateway"), c.get("apps/v1/statefulsets", "calc-trainer")
+        return d["spec"]["replicas"], s["spec"]["replicas"]  # type: ignore[index]
+
+    await c.patch(RUNS, "calc", {"spec": {"suspend": True}})
+    await eventually(lambda: replicas() == (0, 0), "gateway and trainer scaled to zero")
+    await eventually(lambda: c.status().get("phase") == "Suspended", "phase Suspended")
+    assert c.condition("Suspended") == ("True", "SuspendRequested")
+    assert children_present(c)  # Secret, ConfigMap and the store claim stay
+    await eventually(lambda: c.events("Suspended"), "an Event for the suspension")
+
+    await c.patch(RUNS, "calc", {"spec": {"suspend": False}})
+    await eventually(lambda: replicas() == (1, 1), "scaled back up")
+    await eventually(lambda: c.condition("Suspended") == ("False", "NotSuspended"), "no longer suspended")
+    assert c.get("v1/secrets", "calc-gateway")["data"]["admin-token"] == token  # type: ignore[index]
+
+
+async def test_emulator_available_children_with_unreachable_gateway_are_running_and_progressing(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    await apply_example(c)
+    await eventually(lambda: children_present(c), "children exist")
+    await c.mark_up()
+    await eventually(lambda: c.status().get("phase") == "Running", "phase Running")
+    await eventually(
+        lambda: c.condition("Progressing") == ("True", "GatewayUnreachable"), "GatewayUnreachable"
+    )
+    assert c.condition("Ready") == ("True", "Available")
+    assert c.condition("Degraded") == ("False", "AsExpected")
+
+
+@pytest.mark.slow
+async def test_emulator_progress_from_a_real_gateway_reaches_status_and_completion_frees_the_trainer(
+    cluster: Cluster, gateway_port: int, tiny_model: Path, tmp_path: Path
+) -> None:
+    c = cluster
+    await apply_example(c)
+    await eventually(lambda: children_present(c), "children exist")
+    secret = c.get("v1/secrets", "calc-gateway")
+    token = base64.b64decode(secret["data"]["admin-token"]).decode()  # type: ignore[index]
+    args = ["gateway", "--model", str(tiny_model), "--store", f"sqlite:///{tmp_path / 'gw.db'}"]
+    args += ["--port", str(gateway_port), "--admin-token", token]
+    gw = ServerProcess.inharness(args, port=gateway_port, log=tmp_path / "gateway.log", health="/healthz")
+    await asyncio.to_thread(gw.start)
+    try:
+        await c.mark_up()
+        async with GatewayClient(gw.url, token) as client:
+            await client.create_rollouts([{"q": 1}], pool="calc-pool")
+            await client.register_version(2, ["http://127.0.0.1:9"], activate=True)
+            for step, reward in [(1, 0.25), (2, 0.5)]:
+                await client.report_progress(ProgressReport(step=step, total_steps=16, reward_mean=reward))
+            await eventually(lambda: c.status().get("step") == 2, "step 2 in the status")
+            status = c.status()
+            assert status["rewardHistory"] == [0.25, 0.5] and status["rewardMean"] == 0.5
+            assert status["modelVersion"] == 2 and status["phase"] == "Running"
+            assert c.condition("Progressing") == ("True", "Training")
+            assert status["startTime"]
+
+            await client.report_progress(
+                ProgressReport(step=16, total_steps=16, reward_mean=0.9, state="complete")
+            )
+            await eventually(lambda: c.status().get("phase") == "Complete", "phase Complete")
+            assert c.condition("Complete") == ("True", "StepsDone") and c.status()["completionTime"]
+            await eventually(
+                lambda: c.get("apps/v1/statefulsets", "calc-trainer")["spec"]["replicas"] == 0,  # type: ignore[index]
+                "the finished run's trainer scaled to zero",
+            )
+            assert c.get("apps/v1/deployments", "calc-gateway")["spec"]["replicas"] == 1  # type: ignore[index]
+            await eventually(lambda: c.events("Complete"), "an Event for completion")
+    finally:
+        await asyncio.to_thread(gw.stop)
+
+
+async def test_emulator_missing_pool_degrades_then_recovers_when_it_arrives(cluster: Cluster) -> None:
+    c = cluster
+    harness, pool, run = example_docs()
+    await c.apply(run)
+    await eventually(lambda: c.condition("Degraded") == ("True", "RolloutPoolNotFound"), "Degraded: no pool")
+    assert c.status()["phase"] == "Pending" and c.get("apps/v1/deployments", "calc-gateway") is None
+    await c.apply(pool)
+    await eventually(
+        lambda: c.condition("Degraded") == ("True", "HarnessSpecNotFound"), "Degraded: no harness"
+    )
+    await c.apply(harness)
+    await eventually(lambda: children_present(c), "children once the references resolve")
+    await eventually(lambda: c.condition("Degraded") == ("False", "AsExpected"), "no longer degraded")
+
+
+async def test_emulator_deleted_run_goes_at_once_and_leaves_children_to_owner_references(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    await apply_example(c)
+    await eventually(lambda: children_present(c), "children exist")
+    uid = c.run()["metadata"]["uid"]
+    await c.delete(RUNS, "calc")
+    assert c.get(RUNS, "calc") is None  # no finalizer holds it
+    # The garbage collector (absent in the emulator) deletes what the TrainingRun owns.
+    for res, name in CHILDREN:
+        assert c.get(res, name)["metadata"]["ownerReferences"][0]["uid"] == uid  # type: ignore[index]
+
+    async def forgotten() -> bool:
+        async with httpx.AsyncClient(timeout=2) as h:
+            text = (await h.get(c.metrics_url)).text
+        return all(
+            f'inharness_operator_training_runs{{phase="{p}"}} 0.0' in text for p in ("Pending", "Running")
+        )
+
+    await eventually(forgotten, "the operator no longer counts the deleted run")
+    assert c.operator.returncode is None
