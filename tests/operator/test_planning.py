@@ -15,7 +15,7 @@ from inharness.operator.planning import (
     status_changed,
     without,
 )
-from inharness.operator.spec import TrainingRun
+from inharness.operator.spec import TrainingRun, TrainingRunStatus
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 AVAILABLE = {"metadata": {"generation": 2}, "status": {"observedGeneration": 2, "availableReplicas": 1}}
@@ -261,3 +261,18 @@ def test_a_stuck_gateway_rollout_is_degraded() -> None:
 def test_an_invalid_spec_fails_with_the_field() -> None:
     status = compute_status({}, observed(invalid="spec.steps: must be at least 1"), T0)
     assert status["phase"] == "Failed" and conditions_of(status)["Failed"] == ("True", "InvalidSpec")
+
+
+def test_every_computed_status_fits_the_status_model() -> None:
+    cases = [
+        observed(),
+        observed(suspended=True),
+        observed(gateway=AVAILABLE, trainer=READY, progress=progress()),
+        observed(gateway=AVAILABLE, progress=progress(step=10, state="complete")),
+        observed(gateway=AVAILABLE, progress=progress(state="failed", message="x")),
+        observed(problem=("ApplyFailed", "StatefulSet: 422 Invalid: spec.volumeClaimTemplates: Forbidden")),
+        observed(invalid="spec: bad"),
+    ]
+    for case in cases:
+        status = TrainingRunStatus.model_validate(compute_status({}, case, T0))
+        assert status.observed_generation == 2 and len(status.conditions) == 6

@@ -433,6 +433,61 @@ class TrainingRunSpec(SpecModel):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="The run's trainer on a cluster.")
 
 
+# --- status (written by the operator) ----------------------------------------------------------------
+
+_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+class Condition(SpecModel):
+    """metav1.Condition: lastTransitionTime moves only when status changes."""
+
+    type: str = Field(min_length=1, max_length=316, description="Ready, Progressing, Degraded, ...")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        min_length=1, max_length=1024, pattern=_REASON, description="CamelCase reason of the last transition."
+    )
+    message: str = Field(default="", max_length=32768, description="Human-readable details.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The metadata.generation this condition was set for."
+    )
+
+
+class TrainingRunStatus(SpecModel):
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="Generation the status describes."
+    )
+    phase: Literal["Pending", "Running", "Suspended", "Complete", "Failed"] | None = Field(
+        default=None, description="Where the run stands."
+    )
+    step: int = Field(default=0, ge=0, description="Training steps done.")
+    model_version: int | None = Field(default=None, ge=0, description="Model version the gateway serves.")
+    reward_mean: float | None = Field(default=None, description="Mean reward of the last step.")
+    rollouts_done: int | None = Field(default=None, ge=0, description="Rollouts that succeeded.")
+    rollouts_failed: int | None = Field(
+        default=None, ge=0, description="Rollouts given up after all attempts."
+    )
+    reward_history: list[float] = Field(
+        default_factory=list, max_length=100, description="Mean reward of each of the last 100 steps."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing, Degraded, Suspended, Complete, Failed."
+    )
+    start_time: str | None = Field(default=None, description="When training started (RFC 3339).")
+    completion_time: str | None = Field(default=None, description="When the run completed or failed.")
+
+
+class RolloutPoolStatus(SpecModel):
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="Generation the status describes."
+    )
+    queued: int = Field(default=0, ge=0, description="Attempts waiting in the gateway's queue.")
+    running: int = Field(default=0, ge=0, description="Harness runs in progress.")
+    succeeded: int = Field(default=0, ge=0, description="Attempts that succeeded.")
+    failed: int = Field(default=0, ge=0, description="Attempts that failed.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Degraded.")
+
+
 class TrainingRun(SpecModel):
     api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
     kind: Literal["TrainingRun"] = Field(description="Always TrainingRun.")

@@ -61,7 +61,7 @@ from inharness.operator.planning import (
     status_changed,
     without,
 )
-from inharness.operator.spec import HarnessSpec, RolloutPool, TrainingRun
+from inharness.operator.spec import HarnessSpec, RolloutPool, TrainingRun, TrainingRunStatus
 
 log = logging.getLogger("inharness.operator.trainingruns")
 
@@ -249,7 +249,9 @@ async def _write_status(
 ) -> str | None:
     meta = body["metadata"]
     ns, name = meta.get("namespace") or ctx.settings.namespace, meta["name"]
-    new = compute_status(current, observed, cond.now_rfc3339())
+    # Through the status model: what is patched has the shape the CRD's status schema declares.
+    computed = compute_status(current, observed, cond.now_rfc3339())
+    new = TrainingRunStatus.model_validate(computed).model_dump(mode="json", by_alias=True)
     if status_changed(current, new):
         try:
             await ctx.kube.patch(TRAININGRUNS, name, {"status": new}, ns, subresource="status")
