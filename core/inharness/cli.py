@@ -194,6 +194,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--out", default=None, help="output directory (default: ./runs/<TrainingRun name>)")
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
 
+    train = sub.add_parser(
+        "train",
+        help="the trainer of a TrainingRun on a cluster, against the run's gateway (what the operator runs)",
+        description="Resumes from the last checkpoint in --out. The admin token comes from env "
+        "INHARNESS_GATEWAY_ADMIN_TOKEN.",
+    )
+    train.add_argument("--config", required=True, help="the run's spec file (the ConfigMap's run.yaml)")
+    train.add_argument("--out", required=True, help="work directory: checkpoints, weights, metrics")
+    train.add_argument("--gateway-url", default=_env("INHARNESS_GATEWAY_URL"), help="the run's gateway")
+    train.add_argument("--engine-host", default=_env("INHARNESS_ENGINE_HOST", "0.0.0.0"))
+    train.add_argument("--engine-port", type=int, default=int(_env("INHARNESS_ENGINE_PORT", "8001") or 8001))
+    train.add_argument(
+        "--engine-url",
+        default=_env("INHARNESS_ENGINE_URL"),
+        help="this engine as the gateway reaches it (default: http://127.0.0.1:<engine port>)",
+    )
+
     args = parser.parse_args(argv)
     if args.command == "model":
         from inharness.engine.tiny import init_tiny
@@ -210,6 +227,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_gateway(args)
     if args.command == "operator":
         return _run_operator(args)
+    if args.command == "train":
+        from pathlib import Path
+
+        from inharness.train import train_file
+
+        token = _env("INHARNESS_GATEWAY_ADMIN_TOKEN")
+        if not args.gateway_url or not token:
+            print(
+                "inharness train: needs --gateway-url (or INHARNESS_GATEWAY_URL) "
+                "and INHARNESS_GATEWAY_ADMIN_TOKEN",
+                file=sys.stderr,
+            )
+            return 2
+        return train_file(
+            Path(args.config),
+            Path(args.out),
+            gateway_url=args.gateway_url,
+            admin_token=token,
+            engine_url=args.engine_url or f"http://127.0.0.1:{args.engine_port}",
+            engine_host=args.engine_host,
+            engine_port=args.engine_port,
+        )
     if args.command == "run":
         from pathlib import Path
 

@@ -75,18 +75,78 @@ def with_overrides(specs: Any, overrides: dict[str, Any]) -> Any:
     return dataclasses.replace(specs, training_run=TrainingRun.model_validate(doc))
 
 
+def load_policy(specs: Any, rd: Any, *, resume: bool) -> tuple[Any, Any, Path]:
+    """The policy (torch on CPU), the loop state and the weights to serve first: from the spec's
+    model, or from the run directory's last checkpoint when resuming."""
+    import torch
+
+    from inharness.trainer.loop import LoopState
+    from inharness.trainer.torch_engine import TorchTrainingEngine
+
+    spec, algo = specs.training_run.spec, specs.training_run.spec.algorithm
+    model_path = specs.resolve(spec.model.path)
+    torch.manual_seed(spec.seed)
+    policy = TorchTrainingEngine(
+        model_path,
+        learning_rate=algo.learning_rate,
+        dtype=spec.model.dtype,
+        seed=spec.seed,
+        kl_reference=algo.kl_coef > 0,
+    )
+    ckpt = rd.latest_checkpoint()
+    if not resume or ckpt is None:
+        return policy, LoopState(), model_path
+    policy.load_checkpoint(ckpt / "policy")
+    state = LoopState.from_json(json.loads((ckpt / "state.json").read_text()))
+    serve_path = policy.save_pretrained(rd.weights / f"v{state.version}")
+    print(f"resuming {specs.training_run.metadata.name} at step {state.step} (model version {state.version})")
+    return policy, state, serve_path
+
+
+def loop_config(specs: Any, *, config_sha256: str | None = None) -> Any:
+    """The training loop's configuration, from the spec documents."""
+    from inharness.trainer.loop import LoopConfig
+    from inharness.trainer.torch_engine import UpdateConfig
+
+    run, pool = specs.training_run, specs.rollout_pool
+    spec, algo = run.spec, run.spec.algorithm
+    return LoopConfig(
+        run_name=run.metadata.name,
+        pool=pool.metadata.name,
+        steps=spec.steps,
+        batch_size=spec.batch_size,
+        group_size=algo.group_size,
+        max_attempts=pool.spec.max_attempts_per_rollout,
+        max_staleness=spec.scheduling.max_staleness,
+        checkpoint_interval=spec.checkpoint.interval,
+        checkpoint_keep=spec.checkpoint.keep,
+        seed=spec.seed,
+        max_tokens_per_sample=algo.max_tokens_per_sample,
+        update=UpdateConfig(
+            estimator=algo.advantage_estimator,
+            advantage_level=algo.advantage_level,
+            loss_normalization=algo.loss_normalization,
+            norm_by_std=algo.normalize_by_std,
+            clip_low=algo.clip_ratio_low,
+            clip_high=algo.clip_ratio_high,
+            kl_coef=algo.kl_coef,
+            temperature=spec.generation.temperature,
+        ),
+        config_sha256=config_sha256,
+    )
+
+
 async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, Any]) -> int:
     from inharness.gateway.client import GatewayClient
     from inharness.operator.rollouts.local import LocalRolloutController
     from inharness.operator.specfile import load_specs, load_tasks
-    from inharness.trainer.loop import LoopConfig, LoopState, RunDir, TrainingLoop
+    from inharness.trainer.loop import RunDir, TrainingLoop
     from inharness.trainer.report import plot_rewards, read_metrics, summarize, summary_table
-    from inharness.trainer.torch_engine import TorchTrainingEngine, UpdateConfig
 
     specs = with_overrides(load_specs(file), overrides)
     tasks = load_tasks(specs)
     run, pool, harness = specs.training_run, specs.rollout_pool, specs.harness
-    spec, algo = run.spec, run.spec.algorithm
+    spec = run.spec
     rd = RunDir(out, checkpoints=specs.resolve(spec.checkpoint.dir) if spec.checkpoint.dir else None)
     ckpt = rd.latest_checkpoint()
     if ckpt is not None and not resume:
@@ -98,24 +158,7 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
         return 2
     rd.root.mkdir(parents=True, exist_ok=True)
     model_path = specs.resolve(spec.model.path)
-
-    import torch
-
-    torch.manual_seed(spec.seed)
-    policy = TorchTrainingEngine(
-        model_path,
-        learning_rate=algo.learning_rate,
-        dtype=spec.model.dtype,
-        seed=spec.seed,
-        kl_reference=algo.kl_coef > 0,
-    )
-    state = LoopState()
-    serve_path = model_path
-    if resume and ckpt is not None:
-        policy.load_checkpoint(ckpt / "policy")
-        state = LoopState.from_json(json.loads((ckpt / "state.json").read_text()))
-        serve_path = policy.save_pretrained(rd.weights / f"v{state.version}")
-        print(f"resuming {run.metadata.name} at step {state.step} (model version {state.version})")
+    policy, state, serve_path = load_policy(specs, rd, resume=resume)
 
     # Harness commands such as `python harness.py` resolve to this environment's interpreter first.
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -163,29 +206,7 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
             controller = LocalRolloutController(
                 gw, gateway.url, pool.metadata.name, pool.spec, harness.spec, specs.base_dir, rd.attempts
             )
-            config = LoopConfig(
-                run_name=run.metadata.name,
-                pool=pool.metadata.name,
-                steps=spec.steps,
-                batch_size=spec.batch_size,
-                group_size=algo.group_size,
-                max_attempts=pool.spec.max_attempts_per_rollout,
-                max_staleness=spec.scheduling.max_staleness,
-                checkpoint_interval=spec.checkpoint.interval,
-                checkpoint_keep=spec.checkpoint.keep,
-                seed=spec.seed,
-                max_tokens_per_sample=algo.max_tokens_per_sample,
-                update=UpdateConfig(
-                    estimator=algo.advantage_estimator,
-                    advantage_level=algo.advantage_level,
-                    loss_normalization=algo.loss_normalization,
-                    norm_by_std=algo.normalize_by_std,
-                    clip_low=algo.clip_ratio_low,
-                    clip_high=algo.clip_ratio_high,
-                    kl_coef=algo.kl_coef,
-                    temperature=spec.generation.temperature,
-                ),
-            )
+            config = loop_config(specs)
             progress = _Progress(spec.steps, state.step, controller)
             training = TrainingLoop(
                 gateway=gw,
