@@ -440,3 +440,30 @@ async def test_emulator_deleted_run_goes_at_once_and_leaves_children_to_owner_re
 
     await eventually(forgotten, "the operator no longer counts the deleted run")
     assert c.operator.returncode is None
+
+
+async def test_emulator_refused_child_degrades_with_an_event_and_the_next_resync_recovers(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    refusal = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "code": 422,
+        "reason": "Invalid",
+        "message": 'StatefulSet.apps "calc-trainer" is invalid: spec.template: Invalid value',
+    }
+    c.k8s[f"post {API['apps/v1/statefulsets']}"][:1] << 422 << refusal
+    await apply_example(c)
+    event = await eventually(lambda: c.events("ApplyFailed"), "a Warning event naming the refusal")
+    assert event[0]["type"] == "Warning" and "StatefulSet calc-trainer: 422 Invalid" in event[0]["message"]
+
+    async def counted() -> bool:
+        async with httpx.AsyncClient(timeout=2) as h:
+            text = (await h.get(c.metrics_url)).text
+        return 'inharness_operator_errors_total{error="ApplyFailed",kind="TrainingRun"} 1.0' in text
+
+    await eventually(counted, "the refusal counted as an error")
+    await eventually(lambda: children_present(c), "every child once the API server accepts it")
+    await eventually(lambda: c.condition("Degraded") == ("False", "AsExpected"), "no longer degraded")

@@ -224,7 +224,10 @@ class KubeClient:
             text = await r.text()
             if r.status >= 400:
                 raise _error(r.status, text, creating=verb == "create")
-            return json.loads(text) if text else {}
+            try:
+                return json.loads(text) if text else {}
+            except ValueError:
+                raise KubeError(r.status, "InvalidResponse", f"not JSON: {text[:200]!r}") from None
 
     async def get(self, resource: Resource, name: str, namespace: str | None = None) -> Obj:
         return await self._request("get", "GET", resource.path(namespace, name))

@@ -19,6 +19,7 @@ failed reconcile are Kubernetes Events on the TrainingRun.
 """
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -223,17 +224,19 @@ async def _apply_children(
         owner_uid=meta.get("uid"),
         finished=is_finished(current, observed),
     )
+    # Every child is tried even when one is refused, so one bad field does not hold up the rest.
     applied: dict[str, Mapping[str, Any]] = {}
-    try:
-        for child in children:
+    refused: list[str] = []
+    for child in children:
+        try:
             applied[child["kind"]] = await apply(kube, child)
-    except KubeError as exc:
-        kind = children[len(applied)]["kind"] if len(applied) < len(children) else "child"
-        return Observed(
-            **{**observed.__dict__, "problem": ("ApplyFailed", f"{kind}: {exc}")}  # keep what was seen
-        )
-    return Observed(
-        **{**observed.__dict__, "gateway": applied.get("Deployment"), "trainer": applied.get("StatefulSet")}
+        except KubeError as exc:
+            refused.append(f"{child['kind']} {child['metadata']['name']}: {exc}")
+    return dataclasses.replace(
+        observed,
+        gateway=applied.get("Deployment", live_gateway),
+        trainer=applied.get("StatefulSet"),
+        problem=("ApplyFailed", "; ".join(refused)) if refused else None,
     )
 
 
@@ -258,6 +261,14 @@ async def _write_status(
         except NotFound:
             ctx.forget(ns, name)  # deleted while this reconcile ran: nothing left to report on
             return None
+    was = cond.find(current.get("conditions"), "Degraded") or {}
+    now_degraded = cond.find(new["conditions"], "Degraded") or {}
+    if now_degraded.get("status") == "True" and (was.get("status"), was.get("reason")) != (
+        "True",
+        now_degraded.get("reason"),
+    ):
+        ctx.metrics.error("TrainingRun", str(now_degraded["reason"]))
+        await ctx.events.warn(body, str(now_degraded["reason"]), str(now_degraded.get("message") or ""))
     old_phase, phase = current.get("phase"), new["phase"]
     if old_phase != phase:
         why = next((c for c in new["conditions"] if c["type"] == _WHY.get(phase, "Progressing")), None)
