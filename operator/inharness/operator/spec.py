@@ -7,7 +7,7 @@ field to change (`spec.scheduling.maxStaleness`), with messages that say what is
 """
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -54,8 +54,31 @@ def _spec_error(message: str, **ctx: Any) -> PydanticCustomError:
     return PydanticCustomError("invalid_spec", message, ctx or None)
 
 
+def _cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
+    """One CEL `x-kubernetes-validations` rule: the API server's copy of the validator it sits beside,
+    so that `kubectl apply` rejects what `inharness run` rejects, with the same words."""
+    out = {"rule": rule, "message": message}
+    if field_path is not None:
+        out["fieldPath"] = field_path
+    if reason is not None:
+        out["reason"] = reason
+    return out
+
+
+def _is_set(path: str) -> str:
+    """CEL for "the optional field at path holds a value". Fields that may be null are `nullable` in
+    the CRD, so the API server keeps an explicit null and has() alone would call it set."""
+    return f"(has({path}) && type({path}) != null_type)"
+
+
+def _rules(*rules: dict[str, str]) -> ConfigDict:
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": list(rules)})
+
+
 DnsLabel = Annotated[
-    str, AfterValidator(_dns_label), Field(min_length=1, json_schema_extra={"pattern": _DNS_LABEL})
+    str,
+    AfterValidator(_dns_label),
+    Field(min_length=1, json_schema_extra={"pattern": _DNS_LABEL, "maxLength": 63}),
 ]
 EnvName = Annotated[str, AfterValidator(_env_name), Field(json_schema_extra={"pattern": _ENV_NAME})]
 
@@ -120,6 +143,14 @@ class ModelEndpoint(SpecModel):
 class TaskInput(SpecModel):
     """How the harness receives its task (JSON): in an env var, in a file, or both."""
 
+    model_config = _rules(
+        _cel(
+            f"{_is_set('self.env')} || {_is_set('self.fileEnv')}",
+            "at least one of env and fileEnv must be set, or the harness never sees its task",
+            reason="FieldValueRequired",
+        )
+    )
+
     env: EnvName | None = Field(
         default="INHARNESS_TASK", description="Env var that holds the task as a JSON string; null: none."
     )
@@ -152,6 +183,21 @@ class Grader(SpecModel):
 
 class Outcome(SpecModel):
     """Where the reward of one harness run comes from."""
+
+    model_config = _rules(
+        _cel(
+            f"self.type != 'grader' || {_is_set('self.grader')}",
+            "grader is required when type is grader",
+            field_path=".grader",
+            reason="FieldValueRequired",
+        ),
+        _cel(
+            f"self.type == 'grader' || !{_is_set('self.grader')}",
+            "grader is only allowed when type is grader",
+            field_path=".grader",
+            reason="FieldValueForbidden",
+        ),
+    )
 
     type: Literal["resultFile", "exitCode", "grader"] = Field(
         default="resultFile",
@@ -204,6 +250,11 @@ class HarnessSpecSpec(SpecModel):
 
 
 class HarnessSpec(SpecModel):
+    """No controller writes a HarnessSpec's status, so it has no status model (and its CRD no status
+    subresource)."""
+
+    status_model: ClassVar[type[SpecModel] | None] = None
+
     api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
     kind: Literal["HarnessSpec"] = Field(description="Always HarnessSpec.")
     metadata: ObjectMeta = Field(description="Name and Kubernetes metadata.")
@@ -211,11 +262,83 @@ class HarnessSpec(SpecModel):
     status: dict[str, Any] | None = Field(default=None, description="Written by the operator.")
 
 
+# --- status (written by the operator) ----------------------------------------------------------------
+
+_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+class Condition(SpecModel):
+    """metav1.Condition: lastTransitionTime moves only when status changes."""
+
+    type: str = Field(min_length=1, max_length=316, description="Ready, Progressing, Degraded, ...")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        min_length=1, max_length=1024, pattern=_REASON, description="CamelCase reason of the last transition."
+    )
+    message: str = Field(default="", max_length=32768, description="Human-readable details.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The metadata.generation this condition was set for."
+    )
+
+
+# Conditions are a list keyed by type, as in Kubernetes' own APIs (server-side apply merges by type).
+_CONDITIONS_LIST: dict[str, Any] = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+
+
+class TrainingRunStatus(SpecModel):
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="Generation the status describes."
+    )
+    phase: Literal["Pending", "Running", "Suspended", "Complete", "Failed"] | None = Field(
+        default=None, description="Where the run stands."
+    )
+    step: int = Field(default=0, ge=0, description="Training steps done.")
+    model_version: int | None = Field(default=None, ge=0, description="Model version the gateway serves.")
+    reward_mean: float | None = Field(default=None, description="Mean reward of the last step.")
+    rollouts_done: int | None = Field(default=None, ge=0, description="Rollouts that succeeded.")
+    rollouts_failed: int | None = Field(
+        default=None, ge=0, description="Rollouts given up after all attempts."
+    )
+    reward_history: list[float] = Field(
+        default_factory=list, max_length=100, description="Mean reward of each of the last 100 steps."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing, Degraded, Suspended, Complete, Failed.",
+        json_schema_extra=_CONDITIONS_LIST,
+    )
+    start_time: str | None = Field(default=None, description="When training started (RFC 3339).")
+    completion_time: str | None = Field(default=None, description="When the run completed or failed.")
+
+
+class RolloutPoolStatus(SpecModel):
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="Generation the status describes."
+    )
+    queued: int = Field(default=0, ge=0, description="Attempts waiting in the gateway's queue.")
+    running: int = Field(default=0, ge=0, description="Harness runs in progress.")
+    succeeded: int = Field(default=0, ge=0, description="Attempts that succeeded.")
+    failed: int = Field(default=0, ge=0, description="Attempts that failed.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Degraded.", json_schema_extra=_CONDITIONS_LIST
+    )
+
+
 # --- RolloutPool -------------------------------------------------------------------------------------
 
 
 class RolloutPoolSpec(SpecModel):
     """Runners for one gateway queue: claim attempts, run the harness for each, report the outcome."""
+
+    model_config = _rules(
+        _cel(
+            f"!{_is_set('self.leaseSeconds')} || self.heartbeatSeconds < self.leaseSeconds",
+            "heartbeatSeconds must be less than leaseSeconds, or leases expire between heartbeats",
+            field_path=".heartbeatSeconds",
+            reason="FieldValueInvalid",
+        )
+    )
 
     harness_ref: ObjectRef = Field(description="The HarnessSpec each attempt runs.")
     parallelism: int = Field(default=4, ge=1, le=10_000, description="Harness runs at once, at most.")
@@ -256,6 +379,12 @@ class RolloutPoolSpec(SpecModel):
 
 
 class RolloutPool(SpecModel):
+    """status stays free-form here (local runs ignore it; a status exported from a cluster running
+    another version still loads); the operator writes it through status_model, which is also the
+    CRD's status schema."""
+
+    status_model: ClassVar[type[SpecModel] | None] = RolloutPoolStatus
+
     api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
     kind: Literal["RolloutPool"] = Field(description="Always RolloutPool.")
     metadata: ObjectMeta = Field(description="Name (also the gateway queue's pool name) and metadata.")
@@ -275,6 +404,14 @@ class PolicyModel(SpecModel):
 
 class Dataset(SpecModel):
     """Exactly one of inline tasks or a JSONL file of tasks; each task is what one harness run gets."""
+
+    model_config = _rules(
+        _cel(
+            f"{_is_set('self.tasks')} != {_is_set('self.path')}",
+            "set exactly one of tasks and path",
+            reason="FieldValueInvalid",
+        )
+    )
 
     tasks: list[Any] | None = Field(
         default=None, min_length=1, description="Tasks inline, each any JSON value."
@@ -322,6 +459,21 @@ class Algorithm(SpecModel):
 
 
 class Scheduling(SpecModel):
+    model_config = _rules(
+        _cel(
+            "self.mode != 'sync' || self.maxStaleness == 0",
+            "maxStaleness must be 0 when mode is sync; use mode async",
+            field_path=".maxStaleness",
+            reason="FieldValueInvalid",
+        ),
+        _cel(
+            "self.mode != 'async' || self.maxStaleness >= 1",
+            "maxStaleness must be at least 1 when mode is async",
+            field_path=".maxStaleness",
+            reason="FieldValueInvalid",
+        ),
+    )
+
     mode: Literal["sync", "async"] = Field(
         default="sync",
         description="sync: rollouts of a step use the latest policy. async: rollouts continue during "
@@ -363,35 +515,93 @@ class Checkpoint(SpecModel):
     keep: int = Field(default=3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
 
 
+# Kubernetes' resource.Quantity in its string form (its own CRDs use this pattern); plain integers too.
+_DECIMAL = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+_QUANTITY = rf"^(\+|-)?{_DECIMAL}(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?{_DECIMAL}))?$"
+Quantity = Annotated[str, Field(pattern=_QUANTITY)] | int
+
+
 class ResourceRequirements(SpecModel):
-    requests: dict[str, str | int] = Field(
+    requests: dict[str, Quantity] = Field(
         default_factory=dict, description="Resource requests, e.g. {cpu: '2', memory: 8Gi}."
     )
-    limits: dict[str, str | int] = Field(default_factory=dict, description="Resource limits.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits.")
+
+
+class Toleration(SpecModel):
+    key: str | None = Field(default=None, description="Taint key; empty with operator Exists: every taint.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Exists or Equal (Kubernetes' default: Equal)."
+    )
+    value: str | None = Field(default=None, description="Taint value, for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect; empty: all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="How long a NoExecute taint is tolerated; empty: forever."
+    )
+
+
+class LocalObjectReference(SpecModel):
+    name: DnsLabel = Field(description="Name of the Secret (same namespace).")
+
+
+class PodEnvVar(SpecModel):
+    name: EnvName = Field(description="Environment variable name.")
+    value: str = Field(default="", description="Environment variable value.")
+
+
+class Volume(SpecModel):
+    """A Kubernetes Volume: its name typed (overrides replace defaults by name), the volume source
+    (emptyDir, persistentVolumeClaim, secret, ...) passed through as written."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: DnsLabel = Field(description="Volume name; one named like a default (store, work) replaces it.")
+
+
+class VolumeMount(SpecModel):
+    """A Kubernetes VolumeMount: name and mountPath typed, the rest (readOnly, subPath, ...) as written."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: DnsLabel = Field(description="Name of the volume to mount.")
+    mount_path: str = Field(
+        min_length=1, description="Where it is mounted; one at a default's mountPath replaces it."
+    )
 
 
 class PodOverrides(SpecModel):
-    """The allowlisted parts of a pod a user may set (never its security context or command); the
-    items are Kubernetes' own objects (EnvVar, Volume, VolumeMount, Toleration, Affinity)."""
+    """The allowlisted parts of a pod a user may set (never its security context or command).
+
+    Small Kubernetes types are typed here; affinity and the sources of volumes (and the rest of a
+    mount) are passed through as written: their full schemas are Kubernetes' PodSpec pieces, which
+    would make each CRD hundreds of kilobytes (three copies) and break GitOps tools that store CRDs
+    in annotations, and the API server validates them anyway when the operator creates the pod.
+    """
 
     resources: ResourceRequirements | None = Field(
         default=None, description="Merged per key over the defaults of the container."
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations (added).")
-    affinity: dict[str, Any] | None = Field(default=None, description="Pod affinity.")
-    env: list[dict[str, Any]] = Field(
+    tolerations: list[Toleration] = Field(default_factory=list, description="Pod tolerations (added).")
+    affinity: dict[str, Any] | None = Field(
+        default=None, description="Pod affinity (a Kubernetes Affinity, as written)."
+    )
+    env: list[PodEnvVar] = Field(
         default_factory=list, description="Container env vars; one named like a default replaces it."
     )
-    volumes: list[dict[str, Any]] = Field(
+    volumes: list[Volume] = Field(
         default_factory=list, description="Pod volumes; one named like a default (store, work) replaces it."
     )
-    volume_mounts: list[dict[str, Any]] = Field(
+    volume_mounts: list[VolumeMount] = Field(
         default_factory=list, description="Container mounts; one at a default's mountPath replaces it."
     )
-    service_account_name: str | None = Field(default=None, description="Pod serviceAccountName.")
-    priority_class_name: str | None = Field(default=None, description="Pod priorityClassName.")
-    image_pull_secrets: list[dict[str, str]] = Field(
+    service_account_name: str | None = Field(
+        default=None, min_length=1, description="Pod serviceAccountName."
+    )
+    priority_class_name: str | None = Field(default=None, min_length=1, description="Pod priorityClassName.")
+    image_pull_secrets: list[LocalObjectReference] = Field(
         default_factory=list, description="Pod imagePullSecrets, e.g. [{name: regcred}]."
     )
 
@@ -433,62 +643,36 @@ class TrainingRunSpec(SpecModel):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="The run's trainer on a cluster.")
 
 
-# --- status (written by the operator) ----------------------------------------------------------------
-
-_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
-
-
-class Condition(SpecModel):
-    """metav1.Condition: lastTransitionTime moves only when status changes."""
-
-    type: str = Field(min_length=1, max_length=316, description="Ready, Progressing, Degraded, ...")
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    reason: str = Field(
-        min_length=1, max_length=1024, pattern=_REASON, description="CamelCase reason of the last transition."
-    )
-    message: str = Field(default="", max_length=32768, description="Human-readable details.")
-    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
-    observed_generation: int | None = Field(
-        default=None, ge=0, description="The metadata.generation this condition was set for."
-    )
-
-
-class TrainingRunStatus(SpecModel):
-    observed_generation: int | None = Field(
-        default=None, ge=0, description="Generation the status describes."
-    )
-    phase: Literal["Pending", "Running", "Suspended", "Complete", "Failed"] | None = Field(
-        default=None, description="Where the run stands."
-    )
-    step: int = Field(default=0, ge=0, description="Training steps done.")
-    model_version: int | None = Field(default=None, ge=0, description="Model version the gateway serves.")
-    reward_mean: float | None = Field(default=None, description="Mean reward of the last step.")
-    rollouts_done: int | None = Field(default=None, ge=0, description="Rollouts that succeeded.")
-    rollouts_failed: int | None = Field(
-        default=None, ge=0, description="Rollouts given up after all attempts."
-    )
-    reward_history: list[float] = Field(
-        default_factory=list, max_length=100, description="Mean reward of each of the last 100 steps."
-    )
-    conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Progressing, Degraded, Suspended, Complete, Failed."
-    )
-    start_time: str | None = Field(default=None, description="When training started (RFC 3339).")
-    completion_time: str | None = Field(default=None, description="When the run completed or failed.")
-
-
-class RolloutPoolStatus(SpecModel):
-    observed_generation: int | None = Field(
-        default=None, ge=0, description="Generation the status describes."
-    )
-    queued: int = Field(default=0, ge=0, description="Attempts waiting in the gateway's queue.")
-    running: int = Field(default=0, ge=0, description="Harness runs in progress.")
-    succeeded: int = Field(default=0, ge=0, description="Attempts that succeeded.")
-    failed: int = Field(default=0, ge=0, description="Attempts that failed.")
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, Degraded.")
+_STARTED = f"has(oldSelf.status) && {_is_set('oldSelf.status.startTime')}"
 
 
 class TrainingRun(SpecModel):
+    """status stays free-form here (local runs ignore it; a status exported from a cluster running
+    another version still loads); the operator writes it through status_model, which is also the
+    CRD's status schema.
+
+    The immutability rules are transition rules at the root of the object, the one place where a
+    rule sees both the spec and the old status: a run has started once its status has a startTime."""
+
+    model_config = _rules(
+        _cel(
+            f"!({_STARTED}) || self.spec.model == oldSelf.spec.model",
+            "spec.model cannot change once the run has started (status.startTime is set); "
+            "create a new TrainingRun instead",
+            field_path=".spec.model",
+            reason="FieldValueForbidden",
+        ),
+        _cel(
+            f"!({_STARTED}) || self.spec.rolloutPoolRef == oldSelf.spec.rolloutPoolRef",
+            "spec.rolloutPoolRef cannot change once the run has started (status.startTime is set); "
+            "create a new TrainingRun instead",
+            field_path=".spec.rolloutPoolRef",
+            reason="FieldValueForbidden",
+        ),
+    )
+
+    status_model: ClassVar[type[SpecModel] | None] = TrainingRunStatus
+
     api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
     kind: Literal["TrainingRun"] = Field(description="Always TrainingRun.")
     metadata: ObjectMeta = Field(description="Name and Kubernetes metadata.")
