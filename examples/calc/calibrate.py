@@ -6,14 +6,22 @@ subprocess per attempt on M held-out tasks, at temperature 1.0 and at 0 (greedy)
 reward to start low enough to climb (~15-45%) and greedy to be clearly better (RL sharpens the policy
 toward its better samples), on rollouts cheap enough for a 2-core CPU.
 
-    .venv/bin/python examples/calc/calibrate.py --conversations 32,64 --steps 40,60 --tasks 64
+    .venv/bin/python examples/calc/calibrate.py --short-steps 200,250 --steps 20 --tasks 64
 
-Columns: t1/t0 mean reward at T=1.0 / greedy; tool = attempts whose calls were all well-formed and ran;
-copy = tool calls whose expression is the question's; fmt = final answers shaped "The answer is N.";
-s/roll = wall seconds per rollout (2 at a time); cpu/roll = CPU seconds per rollout over harness,
-engine and gateway processes; sft = warm-up seconds. Measured (seed 0, ops +-, operands <= 20, M=64):
+Columns: S1/S = warm-up steps without / with the tools preamble (phase 1 teaches the answer format
+cheaply on short sequences, phase 2 the tool-call format); t1/t0 mean reward at T=1.0 / greedy;
+tool = attempts whose calls were all well-formed and ran; copy = tool calls whose expression is the
+question's; fmt = final answers shaped "The answer is N."; s/roll = wall seconds per rollout (2 at a
+time); cpu/roll = CPU seconds per rollout over harness, engine and gateway processes; sft = warm-up
+seconds. Measured on the 2-core machine (ops +-, operands <= 99, K=64, lr 1e-3, batch 8, M=64),
+seeds 1 and 2:
 
-(table filled in from calibration runs; see tasks.py for the chosen constants)
+    S1 + S     t1          t0          copy    s/roll   sft
+    200 + 20   0.21-0.24   0.50-0.56   ~0.5    ~0.65    ~45 s
+    250 + 20   0.33-0.34   0.53-0.56   ~0.55   ~0.65    ~50 s
+
+The chosen constants (tasks.py) are the second row: T=1.0 starts low enough to climb and greedy
+shows the policy already holds the better answer.
 """
 
 from __future__ import annotations
@@ -161,20 +169,30 @@ async def run_batch(
     return batch
 
 
-async def calibrate_one(args: argparse.Namespace, k: int, s: int, lr: float, work: Path) -> dict[str, Any]:
-    """Warm up one model with (k, s, lr), serve it, and measure it at T=1.0 and greedy."""
+async def calibrate_one(
+    args: argparse.Namespace, k: int, s1: int, s: int, lr: float, work: Path
+) -> dict[str, Any]:
+    """Warm up one model with (k, s1, s, lr), serve it, and measure it at T=1.0 and greedy."""
     from inharness.engine.tiny import init_tiny
-    from inharness.trainer.sft import sft
 
     tasks_mod = _load("tasks")
     family = {"ops": args.ops, "max_operand": args.max_operand}
-    run_dir = work / f"k{k}-s{s}-lr{lr:g}-seed{args.seed}"
+    run_dir = work / f"{args.ops}{args.max_operand}-k{k}-s{s1}+{s}-lr{lr:g}-seed{args.seed}"
     base = init_tiny(run_dir / "tiny", seed=args.seed)
-    traces = tasks_mod.make_warmup_conversations(k, args.seed, **family)
-    t0 = time.perf_counter()
-    stats = sft(base, traces, out_dir=run_dir / "warm", steps=s, lr=lr, seed=args.seed)
-    sft_time = time.perf_counter() - t0
     model = run_dir / "warm"
+    t0 = time.perf_counter()
+    stats = tasks_mod.warm_up(
+        base,
+        model,
+        conversations=k,
+        short_steps=s1,
+        steps=s,
+        lr=lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        **family,
+    )
+    sft_time = time.perf_counter() - t0
     # Held out: a task seed the demo's tasks.jsonl (seed 0) and the warm-up stream do not use.
     held_out = tasks_mod.make_tasks(args.tasks, 1000 + args.seed, **family)
 
@@ -211,6 +229,7 @@ async def calibrate_one(args: argparse.Namespace, k: int, s: int, lr: float, wor
     rollouts = len(hot.results) + len(greedy.results) + hot.failures + greedy.failures
     return {
         "K": k,
+        "S1": s1,
         "S": s,
         "lr": lr,
         "loss": stats["loss_last"],
@@ -235,18 +254,17 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+COLUMNS = [("K", 4, "d"), ("S1", 4, "d"), ("S", 4, "d"), ("lr", 6, "g"), ("loss", 5, ".3f")]
+COLUMNS += [(key, 4, ".2f") for key in ("t1", "t0", "tool", "copy", "fmt", "t0copy")]
+COLUMNS += [("fail", 4, "d"), ("s/roll", 6, ".2f"), ("cpu/roll", 8, ".2f"), ("sft", 4, ".0f")]
+
+
 def _row(r: dict[str, Any]) -> str:
-    return (
-        f"| {r['K']:>4} | {r['S']:>4} | {r['lr']:<6g} | {r['loss']:.3f} | {r['t1']:.2f} | {r['t0']:.2f} "
-        f"| {r['tool']:.2f} | {r['copy']:.2f} | {r['fmt']:.2f} | {r['t0copy']:.2f} | {r['fail']:>4} "
-        f"| {r['s/roll']:.2f} | {r['cpu/roll']:.2f} | {r['sft']:.0f} |"
-    )
+    return "| " + " | ".join(f"{r[key]:>{width}{spec}}" for key, width, spec in COLUMNS) + " |"
 
 
-HEADER = (
-    "|    K |    S | lr     | loss  | t1   | t0   | tool | copy | fmt  | t0cp | fail | s/roll | cpu/roll "
-    "| sft |"
-)
+def _header() -> str:
+    return "| " + " | ".join(f"{key[:width]:>{width}}" for key, width, _ in COLUMNS) + " |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--conversations", "-K", type=_ints, default=[tasks_mod.WARMUP_CONVERSATIONS], help="comma list"
     )
-    p.add_argument("--steps", "-S", type=_ints, default=[tasks_mod.WARMUP_STEPS], help="comma list")
+    p.add_argument(
+        "--short-steps", "-S1", type=_ints, default=[tasks_mod.WARMUP_SHORT_STEPS], help="phase 1; comma list"
+    )
+    p.add_argument("--steps", "-S", type=_ints, default=[tasks_mod.WARMUP_STEPS], help="phase 2; comma list")
+    p.add_argument("--batch-size", type=int, default=tasks_mod.WARMUP_BATCH_SIZE)
     p.add_argument("--lr", type=_floats, default=[tasks_mod.WARMUP_LR], help="comma list")
     p.add_argument("--tasks", "-M", type=int, default=64, help="held-out tasks")
     p.add_argument("--samples", type=int, default=1, help="T=1.0 attempts per held-out task")
@@ -267,9 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     print(f"ops {args.ops!r}, operands <= {args.max_operand}, M={args.tasks}, seed {args.seed}")
-    print(HEADER, flush=True)
-    for k, s, lr in itertools.product(args.conversations, args.steps, args.lr):
-        row = asyncio.run(calibrate_one(args, k, s, lr, args.work))
+    print(_header(), flush=True)
+    for k, s1, s, lr in itertools.product(args.conversations, args.short_steps, args.steps, args.lr):
+        row = asyncio.run(calibrate_one(args, k, s1, s, lr, args.work))
         print(_row(row), flush=True)
     return 0
 

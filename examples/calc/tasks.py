@@ -14,6 +14,7 @@ import importlib.util
 import json
 import random
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,20 @@ HERE = Path(__file__).resolve().parent
 TASKS_FILE = HERE / "tasks.jsonl"
 
 OPS = "+-"
-MAX_OPERAND = 20
+MAX_OPERAND = 99
 TRAIN_TASKS = 256
 TRAIN_SEED = 0
 
-# Calibrated with calibrate.py on the 2-core CPU box; the table is in the calibrate.py docstring.
+# The warm-up, calibrated with calibrate.py (table in its docstring). Two phases of `sft`, because at random
+# init the ~175-token tools preamble the harness's chat template puts before every question drowns the few
+# digits the model must copy: on full traces copying does not emerge within 900 steps, on the same traces
+# without the preamble it emerges within ~200. Phase 1 trains on those short renderings, phase 2 on the
+# exact harness format. lr 3e-3 (sft's default) never learns to copy at all.
 WARMUP_CONVERSATIONS = 64
-WARMUP_STEPS = 60
-WARMUP_LR = 3e-3
+WARMUP_SHORT_STEPS = 250
+WARMUP_STEPS = 20
+WARMUP_LR = 1e-3
+WARMUP_BATCH_SIZE = 8
 
 
 def _harness() -> Any:
@@ -61,13 +68,14 @@ def make_tasks(n: int, seed: int, *, ops: str = OPS, max_operand: int = MAX_OPER
 
 
 def make_warmup_conversations(
-    n: int, seed: int, *, ops: str = OPS, max_operand: int = MAX_OPERAND
+    n: int, seed: int, *, ops: str = OPS, max_operand: int = MAX_OPERAND, tools: bool = True
 ) -> list[dict[str, Any]]:
     """`n` perfect traces in exactly the chat format the harness produces, for the supervised warm-up.
 
     System prompt + question, an assistant turn that only calls the calculator on the question's
     expression, the tool's result, and the final "The answer is N.". Drawn from their own RNG stream, so
-    they are not the tasks of `make_tasks` with the same seed.
+    they are not the tasks of `make_tasks` with the same seed. `tools=False` leaves out the tool list, so
+    the template renders the same messages without the tools preamble (warm-up phase 1).
     """
     harness = _harness()
     rng = random.Random(f"calc-warmup-{seed}")
@@ -82,7 +90,7 @@ def make_warmup_conversations(
         }
         conversations.append(
             {
-                "tools": [harness.CALC_TOOL],
+                "tools": [harness.CALC_TOOL] if tools else None,
                 "messages": [
                     {"role": "system", "content": harness.SYSTEM},
                     {"role": "user", "content": f"What is {expression}?"},
@@ -100,15 +108,30 @@ def warm_up(
     out_dir: str | Path,
     *,
     conversations: int = WARMUP_CONVERSATIONS,
+    short_steps: int = WARMUP_SHORT_STEPS,
     steps: int = WARMUP_STEPS,
     lr: float = WARMUP_LR,
+    batch_size: int = WARMUP_BATCH_SIZE,
     seed: int = 0,
+    ops: str = OPS,
+    max_operand: int = MAX_OPERAND,
 ) -> dict[str, Any]:
-    """Supervised warm-up of `model_dir` into `out_dir` with the calibrated setting; returns sft's stats."""
+    """The calibrated two-phase warm-up of `model_dir` into `out_dir`; returns the last phase's sft stats.
+
+    Phase 1 (`short_steps`) learns to copy digits on the traces rendered without the tools preamble,
+    phase 2 (`steps`) the harness's exact format; both phases see the same `conversations` traces.
+    """
     from inharness.trainer.sft import sft
 
-    traces = make_warmup_conversations(conversations, seed)
-    return sft(model_dir, traces, out_dir=out_dir, steps=steps, lr=lr, seed=seed)
+    family = {"ops": ops, "max_operand": max_operand}
+    traces = make_warmup_conversations(conversations, seed, **family)
+    common = {"lr": lr, "seed": seed, "batch_size": batch_size}
+    if not short_steps:
+        return sft(model_dir, traces, out_dir=out_dir, steps=steps, **common)
+    with tempfile.TemporaryDirectory(prefix="calc-warmup-") as tmp:
+        short = make_warmup_conversations(conversations, seed, **family, tools=False)
+        first = sft(model_dir, short, out_dir=tmp, steps=short_steps, **common)
+        return {**sft(tmp, traces, out_dir=out_dir, steps=steps, **common), "short": first}
 
 
 def write_tasks(path: Path = TASKS_FILE, n: int = TRAIN_TASKS, seed: int = TRAIN_SEED) -> Path:

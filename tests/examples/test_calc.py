@@ -86,6 +86,25 @@ def test_warmup_conversations_render_with_the_tiny_chat_template(tiny_model: Pat
         assert f"The answer is {harness.calculator(expression)}." in trained
         assert len(ids) < 400
 
+    # Warm-up phase 1: the same messages without the tools preamble, so the same supervised tokens.
+    for full, short in zip(conversations, tasks.make_warmup_conversations(8, 0, tools=False), strict=True):
+        assert short["messages"] == full["messages"] and not short["tools"]
+        (full_ids, full_labels), (short_ids, short_labels) = (
+            build_example(tok, full),
+            build_example(tok, short),
+        )
+        assert len(short_ids) < len(full_ids) - 100
+        assert [t for t in short_labels if t != IGNORE] == [t for t in full_labels if t != IGNORE]
+
+
+def test_warm_up_runs_both_phases(tiny_model: Path, tmp_path: Path) -> None:
+    stats = tasks.warm_up(
+        tiny_model, tmp_path / "warm", conversations=2, short_steps=1, steps=1, batch_size=2
+    )
+    assert stats["steps"] == 1 and stats["short"]["steps"] == 1
+    assert (tmp_path / "warm" / "config.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["warm"]
+
 
 def test_run_tool_reports_model_mistakes_instead_of_raising() -> None:
     assert harness.run_tool("calculator", '{"expression": "17+5"}') == ("22", True)
