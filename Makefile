@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-train ablation test lint fmt bench-gateway clean
+.PHONY: demo demo-train ablation test lint fmt bench-gateway crds clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -41,6 +41,10 @@ fmt: $(STAMP)
 
 bench-gateway: $(STAMP)
 	$(BIN)/python bench/gateway.py
+
+# The CRDs, from the spec models: crds/ and the chart's copy (a test fails when they are stale).
+crds: $(STAMP)
+	$(BIN)/inharness operator crds
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -126,6 +126,19 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the gateway admin token to put in the Secret (default: a new one)",
     )
+    crds = op.add_parser(
+        "crds",
+        help="write the CustomResourceDefinitions generated from the spec models (what `make crds` runs)",
+    )
+    crds.add_argument(
+        "--out",
+        action="append",
+        default=None,
+        help="directory to write to (repeatable; default: crds and charts/inharness/crds)",
+    )
+    crds.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 naming the files that are stale"
+    )
 
 
 def _run_operator(args: argparse.Namespace) -> int:
@@ -163,6 +176,22 @@ def _run_operator(args: argparse.Namespace) -> int:
             print(f"inharness operator render: {exc}", file=sys.stderr)
             return 2
         sys.stdout.write(out)
+        return 0
+    if args.operator_command == "crds":
+        from pathlib import Path
+
+        from inharness.operator import crds
+
+        dirs = [Path(d) for d in (args.out or crds.OUT_DIRS)]
+        if args.check:
+            stale = [str(path) for d in dirs for path in crds.stale(d)]
+            if stale:
+                print(f"inharness operator crds: stale: {', '.join(stale)}; run `make crds`", file=sys.stderr)
+                return 1
+            return 0
+        for d in dirs:
+            for path in crds.write(d):
+                print(path)
         return 0
     return 2
 

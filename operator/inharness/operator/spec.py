@@ -378,10 +378,33 @@ class RolloutPoolSpec(SpecModel):
         return self.lease_seconds if self.lease_seconds is not None else harness.timeout_seconds + 60
 
 
+_POOL_USED = (
+    "has(oldSelf.status) && ("
+    + " || ".join(
+        f"(has(oldSelf.status.{count}) && oldSelf.status.{count} > 0)"
+        for count in ("queued", "running", "succeeded", "failed")
+    )
+    + ")"
+)
+
+
 class RolloutPool(SpecModel):
     """status stays free-form here (local runs ignore it; a status exported from a cluster running
     another version still loads); the operator writes it through status_model, which is also the
-    CRD's status schema."""
+    CRD's status schema.
+
+    The harness is fixed once the pool has run attempts (a transition rule, like TrainingRun's):
+    rewards of one queue would otherwise come from two harnesses."""
+
+    model_config = _rules(
+        _cel(
+            f"!({_POOL_USED}) || self.spec.harnessRef == oldSelf.spec.harnessRef",
+            "spec.harnessRef cannot change once the pool has run attempts (a status count is above 0); "
+            "create a new RolloutPool instead",
+            field_path=".spec.harnessRef",
+            reason="FieldValueForbidden",
+        )
+    )
 
     status_model: ClassVar[type[SpecModel] | None] = RolloutPoolStatus
 
@@ -396,8 +419,11 @@ class RolloutPool(SpecModel):
 
 
 class PolicyModel(SpecModel):
+    # max_length: the CRD's immutability rule compares the model, and CEL's cost estimate needs a bound.
     path: str = Field(
-        min_length=1, description="Model directory (weights, tokenizer); locally relative to the spec file."
+        min_length=1,
+        max_length=4096,
+        description="Model directory (weights, tokenizer); locally relative to the spec file.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(default="float32", description="Training precision.")
 
