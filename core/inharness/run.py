@@ -131,6 +131,8 @@ def loop_config(specs: Any, *, config_sha256: str | None = None) -> Any:
             clip_high=algo.clip_ratio_high,
             kl_coef=algo.kl_coef,
             temperature=spec.generation.temperature,
+            mini_batches=algo.ppo_mini_batches,
+            epochs=algo.ppo_epochs,
         ),
         config_sha256=config_sha256,
     )

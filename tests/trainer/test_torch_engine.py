@@ -16,7 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from inharness.engine.sampling import SamplingParams, generate
 from inharness.engine.tiny import init_tiny
 from inharness.trainer.samples import Sample
-from inharness.trainer.torch_engine import TorchTrainingEngine, UpdateConfig, pack_by_token_budget
+from inharness.trainer.torch_engine import (
+    TorchTrainingEngine,
+    UpdateConfig,
+    _split_by_rollout,
+    pack_by_token_budget,
+)
 
 VOCAB = 3000  # below the tiny tokenizer's special and markup ids
 
@@ -208,6 +213,48 @@ def test_token_budget_accumulation_equals_full_batch_gradient(
         assert micro_metrics[key] == pytest.approx(full_metrics[key], rel=1e-5, abs=1e-7), key
 
 
+def test_mini_batches_hold_whole_rollouts_dealt_evenly() -> None:
+    sample_rollout = [0, 1, 1, 2, 3, 3, 3, 4]
+    split = _split_by_rollout(list(range(8)), sample_rollout, 2, torch.Generator().manual_seed(0))
+    assert sorted(i for part in split for i in part) == list(range(8))
+    assert all(part == sorted(part) for part in split)
+    rollouts = [{sample_rollout[i] for i in part} for part in split]
+    assert rollouts[0].isdisjoint(rollouts[1]) and sorted(map(len, rollouts)) == [2, 3]
+    # More parts than rollouts: one rollout each, no empty mini-batch.
+    assert len(_split_by_rollout([0, 1, 2], [0, 0, 1], 5, torch.Generator())) == 2
+
+
+def test_ppo_epochs_and_mini_batches_take_several_clipped_steps(
+    model_dir: Path, samples: list[Sample]
+) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=3e-3)
+    m = engine.update(samples, UpdateConfig(mini_batches=2, epochs=2))
+    assert m["optimizer_steps"] == 4 == engine.step == m["step"]
+    assert m["tokens"] == sum(s.num_generated_tokens for s in samples)
+    # The first step is on fresh weights; the later ones see a moved policy, which is what the clip bounds.
+    assert m["logprob_mismatch"] > 1e-4 and m["ratio_max"] > 1.0
+    assert all(math.isfinite(v) for v in m.values())
+    # The same direction as single-step updates: rewarded samples gain probability.
+    before = TorchTrainingEngine(model_dir, learning_rate=0.0)
+    for s in samples:
+        delta = _mean_generated_logprob(engine, s) - _mean_generated_logprob(before, s)
+        assert delta > 0 if s.reward == 1.0 else delta < 0, (s.rollout_id, delta)
+
+
+def test_batch_without_learning_signal_takes_no_step(model_dir: Path, samples: list[Sample]) -> None:
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
+    engine.update(samples, UpdateConfig())  # AdamW now has momentum that a zero-gradient step would apply
+    before = _params(engine)
+    flat = copy.deepcopy(samples)
+    for s in flat:
+        s.reward = 1.0
+    m = engine.update(_with_behaviour(engine, flat, 1.0), UpdateConfig(mini_batches=2))
+    assert m["optimizer_steps"] == 0 and m["grad_norm"] == 0 and engine.step == 1
+    assert m["tokens"] == sum(s.num_generated_tokens for s in samples) and m["entropy"] > 0
+    after = _params(engine)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
 def test_masked_tokens_have_no_influence(model_dir: Path, samples: list[Sample]) -> None:
     engine = TorchTrainingEngine(model_dir, learning_rate=0.0)
     config = UpdateConfig(grad_clip=None)
@@ -325,4 +372,6 @@ def test_invalid_inputs_are_rejected(model_dir: Path, samples: list[Sample]) -> 
         engine.update(prompt_only, UpdateConfig())
     with pytest.raises(ValueError, match="loss_normalization"):
         UpdateConfig(loss_normalization="batch")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mini_batches and epochs"):
+        UpdateConfig(mini_batches=0)
     assert engine.step == 0

@@ -479,6 +479,14 @@ class Algorithm(SpecModel):
     group_size: int = Field(
         default=8, ge=2, le=1024, description="Rollouts per task; advantages compare within a group."
     )
+    ppo_mini_batches: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Optimizer steps per pass over a step's batch, each on a share of its rollouts; "
+        "above 1 the policy moves between steps and the clip ratios bound it.",
+    )
+    ppo_epochs: int = Field(default=1, ge=1, le=64, description="Passes over each step's batch.")
     max_tokens_per_sample: int | None = Field(
         default=None, ge=1, description="Longer samples are truncated for training; null: no limit."
     )

@@ -60,7 +60,7 @@ _PAD_ID = 0  # any valid id: right padding is never attended to by real tokens a
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    """How one `TorchTrainingEngine.update` turns a batch of samples into one optimizer step.
+    """How one `TorchTrainingEngine.update` turns a batch of samples into optimizer steps.
 
     ``estimator``, ``advantage_level``, ``norm_by_std``: outcome advantages (see
     `algorithms.token_advantages`). ``loss_normalization``: how token losses are weighed against each other
@@ -70,6 +70,10 @@ class UpdateConfig:
     quantity (0, greedy, means temperature-1 logits, as in the inference engine).
     ``max_tokens_per_microbatch``: padded tokens per forward pass (gradient accumulation bounds memory, not
     the result). ``grad_clip``: max global gradient norm, None for no clipping.
+    ``mini_batches`` / ``epochs``: PPO's reuse of one batch: the rollouts are shuffled into
+    ``mini_batches`` parts, one optimizer step each, and the whole pass repeats ``epochs`` times. With
+    one of each the importance ratio is exactly 1 (fresh weights), so the clip never acts and the update
+    is REINFORCE with a baseline; more steps per batch are what the clip is for.
     """
 
     estimator: AdvantageEstimator = "grpo"
@@ -82,6 +86,8 @@ class UpdateConfig:
     temperature: float = 1.0
     max_tokens_per_microbatch: int = 4096
     grad_clip: float | None = 1.0
+    mini_batches: int = 1
+    epochs: int = 1
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -101,6 +107,8 @@ class UpdateConfig:
             raise ValueError("max_tokens_per_microbatch must be at least 1")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ValueError("grad_clip must be positive or None")
+        if self.mini_batches < 1 or self.epochs < 1:
+            raise ValueError("mini_batches and epochs must be at least 1")
 
 
 def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -157,6 +165,34 @@ def _target_space(samples: Sequence[Sample]) -> tuple[Tensor, Tensor]:
             mask[row, :n] = m
             behaviour[row, :n] = torch.tensor(s.behaviour_logprobs[1:], dtype=torch.float32) * m
     return mask, behaviour
+
+
+_TOKEN_MEANS = ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean")
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One update's samples with their target-space tensors (``[B, W - 1]``), computed once."""
+
+    samples: Sequence[Sample]
+    mask: Tensor
+    behaviour: Tensor
+    advantages: Tensor
+    sample_rollout: Tensor
+
+
+def _split_by_rollout(
+    rows: list[int], sample_rollout: Sequence[int], parts: int, generator: torch.Generator
+) -> list[list[int]]:
+    """``rows`` (sample indices) in up to ``parts`` mini-batches of whole rollouts, the rollouts shuffled
+    by ``generator`` and dealt round-robin, each mini-batch's rows in their original order."""
+    rollouts = sorted({sample_rollout[i] for i in rows})
+    order = [rollouts[int(k)] for k in torch.randperm(len(rollouts), generator=generator)]
+    part_of = {r: n % parts for n, r in enumerate(order)}
+    split: list[list[int]] = [[] for _ in range(min(parts, len(rollouts)))]
+    for i in rows:
+        split[part_of[sample_rollout[i]]].append(i)
+    return split
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -261,20 +297,25 @@ class TorchTrainingEngine:
         return out
 
     def update(self, samples: Sequence[Sample], config: UpdateConfig) -> dict[str, float]:
-        """One optimizer step on the whole batch; returns metrics (see below).
+        """``config.epochs * config.mini_batches`` optimizer steps on the batch; returns metrics (below).
 
-        Advantages and loss weights are computed once over the whole batch; each micro-batch then adds
-        ``sum(token_loss * weight)`` over its rows, so the accumulated gradient is the full-batch loss
-        gradient whatever the token budget. Samples without generated tokens still count in advantage
-        group statistics but are not run forward.
+        Advantages are computed once over the whole batch (groups stay whole whatever the split), and
+        mini-batches hold whole rollouts, so rollout-level normalisation sees every rollout entire. Loss
+        weights are computed per mini-batch; each micro-batch then adds ``sum(token_loss * weight)`` over
+        its rows, so the accumulated gradient is the mini-batch loss gradient whatever the token budget.
+        Samples without generated tokens still count in advantage group statistics but are not run
+        forward.
 
         Metrics: ``loss`` = ``pg_loss + kl_coef * kl`` (``kl``: aggregated k3 KL to the reference, only
-        with one), ``grad_norm`` (before clipping), and token means over generated tokens, all measured
-        before the step: ``entropy`` (of the temperature-scaled next-token distribution), ``clip_frac``
-        (``_low``/``_high``), ``approx_kl`` (behaviour vs current), ``ratio_mean``, ``ratio_max``,
+        with one) and ``grad_norm`` (before clipping), means over the optimizer steps; token means over
+        every generated token of every mini-batch pass, each measured just before its step:
+        ``entropy`` (of the temperature-scaled next-token distribution), ``clip_frac``
+        (``_low``/``_high``), ``approx_kl`` (behaviour vs current), ``ratio_mean``, and ``ratio_max``,
         ``logprob_mismatch`` (mean abs difference between current and behaviour logprobs: ~0 on freshly
-        served weights, growing with policy lag). ``advantage_mean`` / ``advantage_std`` are over samples
-        with generated tokens; ``tokens``, ``samples``, ``microbatches``, ``step`` are counts.
+        served weights with one step per batch, growing with policy lag and with later mini-batches).
+        ``advantage_mean`` / ``advantage_std`` are over samples with generated tokens; ``tokens``,
+        ``samples``, ``microbatches``, ``optimizer_steps``, ``step`` are counts. A batch without any
+        learning signal (all advantages zero, no KL term) is measured but takes no step.
         """
         if not samples:
             raise ValueError("update needs at least one sample")
@@ -296,24 +337,81 @@ class TorchTrainingEngine:
             estimator=config.estimator,
             norm_by_std=config.norm_by_std,
         )
-        weights = loss_weights(mask, config.loss_normalization, sample_rollout)
-
         active = [i for i in range(len(samples)) if mask[i].any()]
         per_sample_adv = advantages[active].sum(dim=1) / mask[active].sum(dim=1)
-        token_means = ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean")
-        sums = dict.fromkeys(("pg_loss", "kl", "entropy", "logprob_mismatch", *token_means), 0.0)
-        ratio_max = 0.0
-        n_micro = 0
+        batch = _Batch(samples, mask, behaviour, advantages, sample_rollout)
+
+        sums = dict.fromkeys(
+            ("pg_loss", "kl", "grad_norm", "entropy", "logprob_mismatch", *_TOKEN_MEANS), 0.0
+        )
+        ratio_max, n_micro, n_steps, scored = 0.0, 0, 0, 0.0
+        shuffle = torch.Generator().manual_seed(self.step)
+        # No advantage anywhere (every group's rewards equal) and no KL term: the loss gradient is zero, but
+        # an AdamW step would still move the weights along its momentum, so the batch is only measured.
+        learn = config.kl_coef > 0 or bool(advantages.abs().max() > 0)
+        passes = (
+            [
+                _split_by_rollout(active, index.sample_rollout, config.mini_batches, shuffle)
+                for _ in range(config.epochs)
+            ]
+            if learn
+            else [[active]]
+        )
+        for mini_batches in passes:
+            for rows in mini_batches:
+                step = self._optimizer_step(batch, rows, config, apply=learn)
+                for key in sums:
+                    sums[key] += step.pop(key)
+                ratio_max = max(ratio_max, step["ratio_max"])
+                n_micro += int(step["microbatches"])
+                scored += step["tokens"]
+                n_steps += 1
+        n_steps_taken = n_steps if learn else 0
+
+        metrics = {
+            "loss": (sums["pg_loss"] + config.kl_coef * sums["kl"]) / n_steps,
+            "pg_loss": sums["pg_loss"] / n_steps,
+            "grad_norm": sums["grad_norm"] / n_steps,
+            "ratio_max": ratio_max,
+            "advantage_mean": float(per_sample_adv.mean()),
+            "advantage_std": float(per_sample_adv.std(unbiased=False)),
+            "tokens": float(total_tokens),
+            "samples": float(len(samples)),
+            "microbatches": float(n_micro),
+            "optimizer_steps": float(n_steps_taken),
+            "step": float(self.step),
+        }
+        for key in ("entropy", "logprob_mismatch", *_TOKEN_MEANS):
+            metrics[key] = sums[key] / scored
+        if self.reference is not None:
+            metrics["kl"] = sums["kl"] / n_steps
+        return metrics
+
+    def _optimizer_step(
+        self, batch: _Batch, rows: list[int], config: UpdateConfig, *, apply: bool = True
+    ) -> dict[str, float]:
+        """One AdamW step on the samples ``rows`` of ``batch`` (gradient accumulated over micro-batches by
+        token budget); returns the step's loss terms and token *sums* of the token-mean metrics.
+        ``apply=False`` only measures: forward passes without gradients, no step."""
+        sel = torch.tensor(rows, dtype=torch.long)
+        weights = torch.zeros_like(batch.mask, dtype=torch.float32)
+        weights[sel] = loss_weights(batch.mask[sel], config.loss_normalization, batch.sample_rollout[sel])
+        sums = dict.fromkeys(("pg_loss", "kl", "entropy", "logprob_mismatch", *_TOKEN_MEANS), 0.0)
+        ratio_max, n_micro, n_scored = 0.0, 0, 0.0
 
         self.optimizer.zero_grad(set_to_none=True)
         for local_rows, ids in self._microbatches(
-            [samples[i] for i in active], config.max_tokens_per_microbatch
+            [batch.samples[i] for i in rows], config.max_tokens_per_microbatch
         ):
-            rows = torch.tensor([active[r] for r in local_rows], dtype=torch.long)
+            idx = torch.tensor([rows[r] for r in local_rows], dtype=torch.long)
             cols = ids.shape[1] - 1
-            m, beh, adv, w = (t[rows, :cols].to(self.device) for t in (mask, behaviour, advantages, weights))
+            m, beh, adv, w = (
+                t[idx, :cols].to(self.device)
+                for t in (batch.mask, batch.behaviour, batch.advantages, weights)
+            )
             n_tok = float(m.sum().item())
-            lp, scaled = self._forward(self.model, ids, config.temperature)
+            with torch.set_grad_enabled(apply):
+                lp, scaled = self._forward(self.model, ids, config.temperature)
             pg, pg_metrics = clipped_policy_loss(
                 lp, beh, adv, m, clip_low=config.clip_low, clip_high=config.clip_high, weights=w
             )
@@ -325,17 +423,27 @@ class TorchTrainingEngine:
                 if config.kl_coef > 0:
                     loss = loss + config.kl_coef * kl
                 sums["kl"] += float(kl.detach())
-            loss.backward()
+            if apply:
+                loss.backward()
 
             with torch.no_grad():
                 sums["pg_loss"] += float(pg.detach())
                 sums["entropy"] += float(token_entropy(scaled.detach(), m.bool()).sum())
                 sums["logprob_mismatch"] += float(((lp.detach() - beh).abs() * m).sum())
-                for key in token_means:
+                for key in _TOKEN_MEANS:
                     sums[key] += pg_metrics[key] * n_tok
                 ratio_max = max(ratio_max, pg_metrics["ratio_max"])
             n_micro += 1
+            n_scored += n_tok
 
+        if not apply:
+            return {
+                **sums,
+                "grad_norm": 0.0,
+                "ratio_max": ratio_max,
+                "microbatches": float(n_micro),
+                "tokens": n_scored,
+            }
         params = [p for p in self.model.parameters() if p.grad is not None]
         if config.grad_clip is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
@@ -343,24 +451,13 @@ class TorchTrainingEngine:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         self.optimizer.step()
         self.step += 1
-
-        metrics = {
-            "loss": sums["pg_loss"] + config.kl_coef * sums["kl"],
-            "pg_loss": sums["pg_loss"],
+        return {
+            **sums,
             "grad_norm": float(grad_norm),
             "ratio_max": ratio_max,
-            "advantage_mean": float(per_sample_adv.mean()),
-            "advantage_std": float(per_sample_adv.std(unbiased=False)),
-            "tokens": float(total_tokens),
-            "samples": float(len(samples)),
             "microbatches": float(n_micro),
-            "step": float(self.step),
+            "tokens": n_scored,
         }
-        for key in ("entropy", "logprob_mismatch", *token_means):
-            metrics[key] = sums[key] / total_tokens
-        if self.reference is not None:
-            metrics["kl"] = sums["kl"]
-        return metrics
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write the current policy as a Hugging Face model directory (float32 weights, config,
