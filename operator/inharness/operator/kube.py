@@ -232,17 +232,19 @@ class KubeClient:
     async def get(self, resource: Resource, name: str, namespace: str | None = None) -> Obj:
         return await self._request("get", "GET", resource.path(namespace, name))
 
-    async def list(
+    async def list_with_version(
         self, resource: Resource, namespace: str | None = None, *, label_selector: str | None = None
-    ) -> list[Obj]:
-        """Every object (all pages), each with its apiVersion and kind as a single GET would give."""
+    ) -> tuple[list[Obj], str]:
+        """`list` and the list's resourceVersion, the point a watch continues from without a gap."""
         items: list[Obj] = []
+        version = ""
         params: dict[str, str] = {"limit": "500"}
         if label_selector:
             params["labelSelector"] = label_selector
         while True:
             page = await self._request("list", "GET", resource.path(namespace), params=params)
             kind = str(page.get("kind") or "").removesuffix("List")
+            version = str((page.get("metadata") or {}).get("resourceVersion") or version)
             for item in page.get("items") or []:
                 item.setdefault("apiVersion", resource.api_version)
                 if kind:
@@ -250,8 +252,15 @@ class KubeClient:
                 items.append(item)
             token = (page.get("metadata") or {}).get("continue")
             if not token:
-                return items
+                return items, version
             params["continue"] = token
+
+    async def list(
+        self, resource: Resource, namespace: str | None = None, *, label_selector: str | None = None
+    ) -> list[Obj]:
+        """Every object (all pages), each with its apiVersion and kind as a single GET would give."""
+        items, _ = await self.list_with_version(resource, namespace, label_selector=label_selector)
+        return items
 
     async def create(self, resource: Resource, obj: Mapping[str, Any], namespace: str | None = None) -> Obj:
         return await self._request("create", "POST", resource.path(namespace), body=obj)

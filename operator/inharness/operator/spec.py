@@ -362,6 +362,10 @@ class RolloutPoolSpec(SpecModel):
         validate_default=True,
         description="How often a running attempt's lease is renewed; must be less than the lease.",
     )
+    kubernetes: "KubernetesPool" = Field(
+        default_factory=lambda: KubernetesPool(),
+        description="Settings of the kubernetes backend (one pod per attempt); ignored by local runs.",
+    )
 
     @field_validator("heartbeat_seconds")
     @classmethod
@@ -640,6 +644,49 @@ class PodOverrides(SpecModel):
     )
 
 
+class KubernetesPool(SpecModel):
+    """How the kubernetes backend runs and cleans up its harness pods (one bare Pod per attempt)."""
+
+    ttl_seconds_after_finished: int = Field(
+        default=60,
+        ge=0,
+        le=604_800,
+        description="A finished harness pod is deleted this long after its outcome was reported; 0: at once.",
+    )
+    keep_failed: int = Field(
+        default=5,
+        ge=0,
+        le=1_000,
+        description="The newest this many failed pods are kept past the TTL, for kubectl logs and describe; "
+        "older failed pods are deleted once their TTL has passed.",
+    )
+    unschedulable_grace_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86_400,
+        description="A pod the scheduler reports Unschedulable this long fails its attempt (Unschedulable); "
+        "raise it where a cluster autoscaler adds nodes.",
+    )
+    image_pull_grace_seconds: int = Field(
+        default=120,
+        ge=0,
+        le=86_400,
+        description="A pod whose image pull keeps failing (ErrImagePull, ImagePullBackOff) or whose "
+        "container cannot be created this long fails its attempt.",
+    )
+    queue_name: DnsLabel | None = Field(
+        default=None,
+        description="Kueue LocalQueue of the harness pods (label kueue.x-k8s.io/queue-name, for Kueue's pod "
+        "integration); null: no Kueue.",
+    )
+    pod: PodOverrides | None = Field(
+        default=None,
+        description="Overrides of the harness pods: resources (Kueue needs requests), nodeSelector, "
+        "tolerations, affinity, env, volumes and mounts, serviceAccountName, priorityClassName, "
+        "imagePullSecrets.",
+    )
+
+
 class GatewaySpec(SpecModel):
     image: str | None = Field(
         default=None, min_length=1, description="Gateway image; default: the operator's setting."
@@ -720,3 +767,7 @@ KINDS: dict[str, type[TrainingRun] | type[RolloutPool] | type[HarnessSpec]] = {
     "RolloutPool": RolloutPool,
     "HarnessSpec": HarnessSpec,
 }
+
+# RolloutPoolSpec names KubernetesPool, which needs PodOverrides, defined with the TrainingRun's pieces.
+RolloutPoolSpec.model_rebuild()
+RolloutPool.model_rebuild()

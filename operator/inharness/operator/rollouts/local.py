@@ -308,14 +308,25 @@ def _read_result(path: Path, who: str) -> tuple[float, dict[str, Any]]:
     if size > MAX_RESULT_BYTES:
         raise _Failed(f"{who}result file is larger than {MAX_RESULT_BYTES} bytes ({size})")
     try:
-        data = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _Failed(f"{who}result file is not valid JSON: {exc}") from None
+        raw = path.read_bytes()
     except OSError as exc:
         raise _Failed(f"{who}result file unreadable: {exc}") from None
+    try:
+        return parse_result(raw, who)
+    except ValueError as exc:
+        raise _Failed(str(exc)) from None
+
+
+def parse_result(raw: bytes, who: str = "") -> tuple[float, dict[str, Any]]:
+    """(reward, the other keys) of result JSON like {"reward": 1.0}, or ValueError saying what is wrong
+    with it. The one set of rules for every backend: a pod's result comes from its termination message."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{who}result file is not valid JSON: {exc}") from None
     reward = data.get("reward") if isinstance(data, dict) else None
     if isinstance(reward, bool) or not isinstance(reward, int | float):
-        raise _Failed(f"{who}result has no numeric 'reward'")
+        raise ValueError(f"{who}result has no numeric 'reward'")
     if not math.isfinite(reward):
-        raise _Failed(f"{who}result 'reward' is not finite: {reward}")
+        raise ValueError(f"{who}result 'reward' is not finite: {reward}")
     return float(reward), {k: v for k, v in data.items() if k != "reward"}

@@ -1,0 +1,396 @@
+"""A FAKE kubelet (and scheduler) for harness pods on kmock's emulator, plus the emulator settings
+the rollout tests and bench need. No kubelet, scheduler or container runtime can run here, so this
+plays their part through the API, as they would: it watches pods and writes their status.
+
+What it does per new pod, driven by the `kubelet` entry of the pod's task (env INHARNESS_TASK):
+- resolves the container's env like a kubelet: a `secretKeyRef` must name an existing Secret and
+  key, a task volume an existing ConfigMap and key, else the container waits in
+  CreateContainerConfigError; the resolved env is kept in `env` for the tests;
+- `do`: succeed (default; writes `result`, default {"reward": 1.0}, as the termination message),
+  exit (code `code`, message `message`), oom, evict, delete (the pod is deleted while running),
+  image-pull (waits in ErrImagePull/ImagePullBackOff), unschedulable (PodScheduled False);
+- runs for `seconds`, or until the test releases gate `hold`; past the pod's activeDeadlineSeconds
+  it fails the pod with DeadlineExceeded, as the kubelet does;
+- the termination message is what the harness wrote to its result file, so it only arrives when
+  the result-file env var names the container's terminationMessagePath (truncated to 4096 bytes).
+
+It also counts, on every pod watch event, the pods that exist and are not finished (`max_active`,
+`active_over` for a limit): how the tests check parallelism without sampling.
+"""
+
+import asyncio
+import base64
+import contextlib
+import json
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+from kmock import action
+from kube_emulator import EmulatedCluster
+
+from inharness.operator.kube import CONFIGMAPS, PODS, SECRETS, KubeClient, KubeError, NotFound
+
+_IMAGE = {"image": "example.org/harness:fake", "imageID": "example.org/harness@sha256:0"}
+MESSAGE_LIMIT = 4096
+
+
+class RolloutCluster(EmulatedCluster):
+    """The emulator with what many pods need and kmock leaves out:
+    - label selectors on list and watch (equality, inequality and existence terms);
+    - a watch without gaps: kmock snapshots the objects and only then subscribes to changes, so
+      an object created in between was never sent; here the subscription comes first;
+    - constant cost per request: kmock keeps every request and matches each new one against that
+      whole history, and keeps deleted objects; here only the request in flight is kept and a
+      deleted object is forgotten once its DELETED event went out.
+    """
+
+    async def _handle(self, request: Any) -> Any:
+        del self._requests[:-1]
+        try:
+            return await super()._handle(request)
+        finally:
+            if request.resource is not None and request.action == action.DELETE and request.name:
+                key = (request.resource, request.namespace, request.name)
+                if key in self.objects and self.objects[key].deleted:
+                    del self.objects[key]
+
+    def _matching(self, request: Any) -> list[dict[str, Any]]:
+        wanted = _selector(request.params.get("labelSelector") or "")
+        out = []
+        for (resource, namespace, _name), obj in self.objects.items():
+            if resource != request.resource or obj.deleted:
+                continue
+            if request.namespace is not None and namespace != request.namespace:
+                continue
+            if _labels_match(wanted, obj.raw):
+                out.append(obj.raw)
+        return out
+
+    async def _serve_list(self, request: Any) -> Any:
+        async with self._lock:
+            items = self._matching(request)
+        return {"metadata": {"resourceVersion": "..."}, "items": items}
+
+    async def _serve_watch(self, request: Any) -> AsyncIterator[Any]:
+        yield b""
+        wanted = _selector(request.params.get("labelSelector") or "")
+        bus = self._buses[request.resource]
+        async with self._lock:
+            marker = await bus.mark()
+            events = [{"type": "ADDED", "object": raw} for raw in self._matching(request)]
+        try:
+            for event in events:
+                yield event
+            async for event in bus.stream(since=marker):
+                obj = event.get("object") or {}
+                namespace = (obj.get("metadata") or {}).get("namespace")
+                if request.namespace is not None and namespace != request.namespace:
+                    continue
+                if _labels_match(wanted, obj):
+                    yield event
+        finally:
+            await bus.unmark(marker)
+
+
+def _selector(text: str) -> list[tuple[str, str, str | None]]:
+    terms: list[tuple[str, str, str | None]] = []
+    for term in filter(None, (t.strip() for t in text.split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            terms.append(("!=", key.strip(), value.strip()))
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            terms.append(("=", key.strip(), value.strip()))
+        elif term.startswith("!"):
+            terms.append(("!", term[1:].strip(), None))
+        else:
+            terms.append(("exists", term, None))
+    return terms
+
+
+def _labels_match(terms: list[tuple[str, str, str | None]], obj: Mapping[str, Any]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for op, key, value in terms:
+        if op == "=" and labels.get(key) != value:
+            return False
+        if op == "!=" and labels.get(key) == value:
+            return False
+        if op == "!" and key in labels:
+            return False
+        if op == "exists" and key not in labels:
+            return False
+    return True
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class FakeKubelet:
+    """See the module docstring. Use as `async with FakeKubelet(kube, namespace) as kubelet:`."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        namespace: str,
+        *,
+        task_env: str = "INHARNESS_TASK",
+        result_file_env: str = "INHARNESS_RESULT_FILE",
+        limit: int | None = None,
+    ) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.task_env = task_env
+        self.result_file_env = result_file_env
+        self.limit = limit
+        self.gates: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.env: dict[str, dict[str, str]] = {}
+        self.added: Counter[str] = Counter()
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.max_active = 0
+        self.active_over: list[tuple[int, str]] = []
+        self.events = 0
+        self._plays: dict[str, asyncio.Task[None]] = {}
+        self._watch: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> "FakeKubelet":
+        self._watch = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        tasks = [t for t in [self._watch, *self._plays.values()] if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def release(self, gate: str) -> None:
+        self.gates[gate].set()
+
+    def active(self) -> int:
+        return sum(
+            1
+            for p in self.pods.values()
+            if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        )
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async for kind, pod in self.kube.watch(PODS, self.namespace, timeout_seconds=3600):
+                    self._observe(kind, pod)
+            except (KubeError, aiohttp.ClientError, TimeoutError):
+                await asyncio.sleep(0.1)
+
+    def _observe(self, kind: str, pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        self.events += 1
+        if kind == "DELETED":
+            self.pods.pop(name, None)
+            play = self._plays.pop(name, None)
+            if play is not None:
+                play.cancel()
+        else:
+            first = name not in self.pods and name not in self._plays
+            self.pods[name] = pod
+            if kind == "ADDED" and first:
+                self.added[name] += 1
+                self._plays[name] = asyncio.create_task(self._play(pod))
+        active = self.active()
+        self.max_active = max(self.max_active, active)
+        if self.limit is not None and active > self.limit:
+            self.active_over.append((active, name))
+
+    # -- playing one pod ----------------------------------------------------------------------------
+
+    async def _status(self, name: str, status: dict[str, Any]) -> None:
+        with contextlib.suppress(NotFound):
+            await self.kube.patch(PODS, name, {"status": status}, self.namespace, subresource="status")
+
+    async def _resolve(self, pod: Mapping[str, Any]) -> tuple[dict[str, str], str | None]:
+        """The container's env as the kubelet would start it, or why it cannot start."""
+        container = pod["spec"]["containers"][0]
+        env: dict[str, str] = {}
+        for e in container.get("env") or []:
+            ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+            if ref is not None:
+                try:
+                    secret = await self.kube.get(SECRETS, ref["name"], self.namespace)
+                except NotFound:
+                    return env, f'secret "{ref["name"]}" not found'
+                data = secret.get("data") or {}
+                if ref["key"] in data:
+                    env[e["name"]] = base64.b64decode(data[ref["key"]]).decode()
+                elif ref["key"] in (secret.get("stringData") or {}):
+                    env[e["name"]] = secret["stringData"][ref["key"]]
+                else:
+                    return env, f"couldn't find key {ref['key']} in Secret {self.namespace}/{ref['name']}"
+                continue
+            value = str(e.get("value") or "")
+            for name, resolved in env.items():
+                value = value.replace(f"$({name})", resolved)
+            env[e["name"]] = value
+        for volume in pod["spec"].get("volumes") or []:
+            cm = volume.get("configMap")
+            if cm is None:
+                continue
+            try:
+                obj = await self.kube.get(CONFIGMAPS, cm["name"], self.namespace)
+            except NotFound:
+                return env, f'configmap "{cm["name"]}" not found'
+            for item in cm.get("items") or []:
+                if item["key"] not in (obj.get("data") or {}):
+                    return env, f"configmap {cm['name']} has no key {item['key']}"
+        return env, None
+
+    async def _play(self, pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        spec = pod["spec"]
+        container = spec["containers"][0]
+        env, problem = await self._resolve(pod)
+        self.env[name] = env
+        try:
+            script = json.loads(env.get(self.task_env) or "{}").get("kubelet") or {}
+        except (ValueError, AttributeError):
+            script = {}
+        do = script.get("do", "succeed")
+        cname = container["name"]
+
+        if do == "unschedulable":
+            await self._status(
+                name,
+                {
+                    "phase": "Pending",
+                    "conditions": [
+                        {
+                            "type": "PodScheduled",
+                            "status": "False",
+                            "reason": "Unschedulable",
+                            "message": "0/3 nodes are available: 3 Insufficient memory.",
+                            "lastTransitionTime": _now(),
+                        }
+                    ],
+                },
+            )
+            return
+        scheduled = [{"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()}]
+        if problem is not None or do == "image-pull":
+            reason = "CreateContainerConfigError" if problem is not None else "ErrImagePull"
+            message = problem or f'failed to pull image "{container["image"]}": not found'
+            for why in [reason] if problem is not None else [reason, "ImagePullBackOff"]:
+                await self._status(
+                    name,
+                    {
+                        "phase": "Pending",
+                        "conditions": scheduled,
+                        "containerStatuses": [
+                            {
+                                "name": cname,
+                                "ready": False,
+                                "state": {"waiting": {"reason": why, "message": message}},
+                            }
+                        ],
+                    },
+                )
+            return
+
+        started = _now()
+        await self._status(
+            name,
+            {
+                "phase": "Running",
+                "startTime": started,
+                "conditions": scheduled,
+                "containerStatuses": [
+                    {
+                        "name": cname,
+                        **_IMAGE,
+                        "ready": True,
+                        "restartCount": 0,
+                        "state": {"running": {"startedAt": started}},
+                    }
+                ],
+            },
+        )
+        deadline = spec.get("activeDeadlineSeconds")
+        ran = await self._run_for(script, None if deadline is None else float(deadline))
+        if not ran:
+            await self._status(
+                name,
+                {
+                    "phase": "Failed",
+                    "reason": "DeadlineExceeded",
+                    "message": "Pod was active on the node longer than the specified deadline",
+                    "containerStatuses": [self._terminated(cname, started, 137, "Error", "")],
+                },
+            )
+            return
+        if do == "delete":
+            with contextlib.suppress(NotFound):
+                await self.kube.delete(PODS, name, self.namespace)
+            return
+        if do == "evict":
+            await self._status(
+                name,
+                {
+                    "phase": "Failed",
+                    "reason": "Evicted",
+                    "message": "The node was low on resource: memory.",
+                    "containerStatuses": [self._terminated(cname, started, 137, "Error", "")],
+                },
+            )
+            return
+        if do == "oom":
+            await self._status(
+                name,
+                {
+                    "phase": "Failed",
+                    "containerStatuses": [self._terminated(cname, started, 137, "OOMKilled", "")],
+                },
+            )
+            return
+        code = int(script.get("code", 0 if do == "succeed" else 1))
+        written = script.get("message")
+        if written is None and do == "succeed":
+            written = json.dumps(script.get("result", {"reward": 1.0}))
+        # The harness wrote to its result file; the kubelet reads the termination message path.
+        path = container.get("terminationMessagePath", "/dev/termination-log")
+        message = str(written or "") if env.get(self.result_file_env) == path else ""
+        reason = "Completed" if code == 0 else "Error"
+        await self._status(
+            name,
+            {
+                "phase": "Succeeded" if code == 0 else "Failed",
+                "containerStatuses": [
+                    self._terminated(cname, started, code, reason, message[:MESSAGE_LIMIT])
+                ],
+            },
+        )
+
+    async def _run_for(self, script: Mapping[str, Any], deadline: float | None) -> bool:
+        """Let the "harness" run; False when the pod's active deadline passed first."""
+        work = {asyncio.create_task(asyncio.sleep(float(script.get("seconds", 0))))}
+        if script.get("hold"):
+            work.add(asyncio.create_task(self.gates[str(script["hold"])].wait()))
+        try:
+            _, pending = await asyncio.wait(work, timeout=deadline)
+            return not pending
+        finally:
+            for task in work:
+                task.cancel()
+
+    @staticmethod
+    def _terminated(name: str, started: str, code: int, reason: str, message: str) -> dict[str, Any]:
+        term: dict[str, Any] = {
+            "exitCode": code,
+            "reason": reason,
+            "startedAt": started,
+            "finishedAt": _now(),
+        }
+        if message:
+            term["message"] = message
+        return {"name": name, **_IMAGE, "ready": False, "restartCount": 0, "state": {"terminated": term}}

@@ -1,0 +1,695 @@
+"""The kubernetes rollout backend against kmock's emulator on 127.0.0.1, a real gateway server on
+127.0.0.1, and a fake kubelet (tests/operator/fake_kubelet.py: no kubelet can run here) that plays
+the harness pods: pods and their env, secret and security, outcomes and failure reasons, requeues,
+heartbeats, parallelism, restarts; and the RolloutPool controller inside the real operator.
+"""
+
+import asyncio
+import base64
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import ADMIN
+from fake_kubelet import FakeKubelet, RolloutCluster
+from kmock import Server
+from testsupport import Server as GatewayServer
+from testsupport import gateway_server
+
+from inharness.gateway.client import GatewayClient
+from inharness.gateway.schema import RolloutOut
+from inharness.operator.kube import CONFIGMAPS, PODS, SECRETS, KubeClient
+from inharness.operator.rollouts import Outcome
+from inharness.operator.rollouts.kubernetes import (
+    Graces,
+    KubernetesRolloutController,
+    classify,
+    keys_name,
+    pod_name,
+    tasks_name,
+)
+from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
+from inharness.procs import free_port
+
+NS = "team"
+RUN = "calc"
+POOL_UID = "5b4a3c1e-0000-4000-8000-00000000abcd"
+TIMEOUT = 30.0
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "calc" / "trainingrun.yaml"
+
+
+async def eventually(check: Callable[[], Any], what: str, within: float = TIMEOUT) -> Any:
+    """Poll `check` until it returns something truthy (and return that); fail after `within` s."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while time.monotonic() < deadline:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return result
+        last = result
+        await asyncio.sleep(0.05)
+    pytest.fail(f"not within {within:.0f}s: {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, log_dir: Path
+) -> Iterator[GatewayServer]:
+    """The control API is all the rollout controller uses, so no engine is needed."""
+    db = tmp_path_factory.mktemp("k8s-rollouts") / "gateway.db"
+    server = gateway_server(tiny_model, [], db, log_dir, admin_token=ADMIN).start()
+    yield server
+    server.stop()
+
+
+class Env:
+    """One test's cluster: the emulator, the controller's and the kubelet's API clients, the gateway."""
+
+    def __init__(self, k8s: RolloutCluster, url: str, gateway: GatewayServer, pool: str) -> None:
+        self.k8s, self.url, self.gateway_url, self.pool = k8s, url, gateway.url, pool
+        self.kube = KubeClient(url, qps=1000, burst=1000)
+        self.gw = GatewayClient(gateway.url, ADMIN)
+
+    def objects(self, plural: str) -> dict[str, dict[str, Any]]:
+        out = {}
+        for (res, ns, name), obj in self.k8s.objects.items():
+            if res.plural == plural and ns == NS and not obj.deleted:
+                out[name] = _plain(obj.raw)
+        return out
+
+    def pods(self) -> dict[str, dict[str, Any]]:
+        return self.objects("pods")
+
+    def controller(
+        self, pool: dict[str, Any] | None = None, harness: dict[str, Any] | None = None, **kw: Any
+    ) -> KubernetesRolloutController:
+        pool_spec = RolloutPoolSpec.model_validate(
+            {
+                "harnessRef": {"name": "calc-harness"},
+                "backend": "kubernetes",
+                "parallelism": 4,
+                "heartbeatSeconds": 1,
+                "kubernetes": {
+                    "ttlSecondsAfterFinished": 0,
+                    "keepFailed": 0,
+                    "unschedulableGraceSeconds": 0,
+                    "imagePullGraceSeconds": 0,
+                },
+                **(pool or {}),
+            }
+        )
+        harness_spec = HarnessSpecSpec.model_validate(
+            {
+                "image": "ghcr.io/inharness/calc-harness:0.1.0",
+                "command": ["python", "harness.py"],
+                "timeoutSeconds": 60,
+                **(harness or {}),
+            }
+        )
+        return KubernetesRolloutController(
+            self.gw,
+            self.kube,
+            namespace=NS,
+            run=RUN,
+            pool_name=self.pool,
+            pool_uid=POOL_UID,
+            pool=pool_spec,
+            harness=harness_spec,
+            **kw,
+        )
+
+    async def rollouts(self, tasks: list[Any], max_attempts: int = 1) -> list[RolloutOut]:
+        return await self.gw.create_rollouts(tasks, pool=self.pool, max_attempts=max_attempts)
+
+    async def settled(self, ids: list[str], within: float = TIMEOUT) -> list[RolloutOut]:
+        async def all_done() -> list[RolloutOut] | None:
+            got = [await self.gw.get_rollout(i) for i in ids]
+            return got if all(r.status in ("succeeded", "failed") for r in got) else None
+
+        return await eventually(all_done, f"rollouts {ids} settled", within)
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "items"):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+@pytest.fixture
+async def env(gateway: GatewayServer, request: pytest.FixtureRequest) -> AsyncIterator[Env]:
+    pool = (
+        "p-" + request.node.name.replace("_", "-").replace("[", "-").replace("]", "")[-40:].strip("-").lower()
+    )
+    async with RolloutCluster() as k8s, Server(k8s) as server:
+        e = Env(k8s, str(server.url).rstrip("/"), gateway, pool)
+        try:
+            yield e
+        finally:
+            await e.kube.aclose()
+            await e.gw.aclose()
+
+
+@asynccontextmanager
+async def kubelet(e: Env, **kw: Any) -> AsyncIterator[FakeKubelet]:
+    async with KubeClient(e.url) as kube, FakeKubelet(kube, NS, **kw) as k:
+        yield k
+
+
+@asynccontextmanager
+async def running(controller: KubernetesRolloutController) -> AsyncIterator[asyncio.Event]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(controller.run(stop))
+    try:
+        yield stop
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+def kubelet_task(**script: Any) -> dict[str, Any]:
+    return {"question": "2+3", "kubelet": script}
+
+
+# --- pods ---------------------------------------------------------------------------------------------
+
+
+async def test_an_attempt_becomes_a_pod_with_gateway_env_secret_key_deadline_security_labels_and_owner(
+    env: Env,
+) -> None:
+    e = env
+    (rollout,) = await e.rollouts([kubelet_task(hold="pod-shape", result={"reward": 0.5})])
+    async with kubelet(e) as k, running(e.controller(harness={"timeoutSeconds": 45})):
+        pods = await eventually(lambda: e.pods(), "a pod")
+        ((name, pod),) = pods.items()
+        attempt = (await e.gw.get_rollout(rollout.id)).attempts[0]
+        assert name == pod_name(e.pool, attempt.id)
+        meta, spec = pod["metadata"], pod["spec"]
+        assert meta["labels"] == {
+            "app.kubernetes.io/name": "inharness",
+            "app.kubernetes.io/instance": RUN,
+            "app.kubernetes.io/component": "harness",
+            "app.kubernetes.io/part-of": "inharness",
+            "app.kubernetes.io/managed-by": "inharness-operator",
+            "inharness.dev/training-run": RUN,
+            "inharness.dev/rollout-pool": e.pool,
+            "inharness.dev/rollout": rollout.id,
+            "inharness.dev/attempt": attempt.id,
+        }
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "inharness.dev/v1alpha1",
+                "kind": "RolloutPool",
+                "name": e.pool,
+                "uid": POOL_UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert spec["restartPolicy"] == "Never" and spec["activeDeadlineSeconds"] == 45
+        assert spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        (c,) = spec["containers"]
+        assert c["image"] == "ghcr.io/inharness/calc-harness:0.1.0" and c["command"] == [
+            "python",
+            "harness.py",
+        ]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert (
+            c["terminationMessagePath"] == "/dev/termination-log" and c["terminationMessagePolicy"] == "File"
+        )
+        kubernetes_validate.validate({k: v for k, v in pod.items() if k != "status"}, "1.29", strict=True)
+
+        by_name = {v["name"]: v for v in c["env"]}
+        assert by_name["OPENAI_BASE_URL"]["value"] == f"http://{RUN}-gateway:8000/v1"
+        assert by_name["OPENAI_MODEL"]["value"] == "policy"
+        assert by_name["INHARNESS_RESULT_FILE"]["value"] == "/dev/termination-log"
+        assert by_name["INHARNESS_ATTEMPT_ID"]["value"] == attempt.id
+        key_ref = {"secretKeyRef": {"name": keys_name(e.pool, attempt.id), "key": attempt.id}}
+        assert by_name["OPENAI_API_KEY"] == {"name": "OPENAI_API_KEY", "valueFrom": key_ref}
+
+        # The key reaches the container only through the Secret, and it is the attempt's live key.
+        resolved = await eventually(lambda: k.env.get(name), "the kubelet resolved the env")
+        key = resolved["OPENAI_API_KEY"]
+        assert key.startswith("ih-") and key not in yaml.safe_dump(pod)
+        async with httpx.AsyncClient() as h:
+            r = await h.post(
+                f"{e.gateway_url}/v1/chat/completions",
+                json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert r.status_code not in (401, 403), r.text
+            bad = await h.post(
+                f"{e.gateway_url}/v1/chat/completions",
+                json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"Authorization": "Bearer ih-not-the-key"},
+            )
+            assert bad.status_code == 401
+
+        # The task as an env var and as a file: the batch's ConfigMap, mounted by item.
+        assert '"question": "2+3"' in by_name["INHARNESS_TASK"]["value"]
+        assert by_name["INHARNESS_TASK_FILE"]["value"] == "/etc/inharness/task/task.json"
+        (volume,) = spec["volumes"]
+        assert volume["configMap"] == {
+            "name": tasks_name(e.pool, attempt.id),
+            "items": [{"key": attempt.id, "path": "task.json"}],
+        }
+        assert '"2+3"' in e.objects("configmaps")[tasks_name(e.pool, attempt.id)]["data"][attempt.id]
+
+        k.release("pod-shape")
+        (done,) = await e.settled([rollout.id])
+    assert done.status == "succeeded" and done.reward == 0.5
+
+
+async def test_key_in_path_puts_the_secret_key_into_the_base_url_by_reference(env: Env) -> None:
+    e = env
+    await e.rollouts([kubelet_task(hold="path")])
+    harness = {
+        "model": {"keyIn": "path", "modelNameEnv": None},
+        "task": {"env": "INHARNESS_TASK", "fileEnv": None},
+    }
+    async with kubelet(e) as k, running(e.controller(harness=harness)):
+        pods = await eventually(lambda: e.pods(), "a pod")
+        ((name, pod),) = pods.items()
+        env_list = pod["spec"]["containers"][0]["env"]
+        assert env_list[0]["name"] == "INHARNESS_ATTEMPT_KEY" and "secretKeyRef" in env_list[0]["valueFrom"]
+        by_name = {v["name"]: v for v in env_list}
+        assert (
+            by_name["OPENAI_BASE_URL"]["value"] == f"http://{RUN}-gateway:8000/t/$(INHARNESS_ATTEMPT_KEY)/v1"
+        )
+        assert "OPENAI_MODEL" not in by_name and not pod["spec"]["volumes"]
+        resolved = await eventually(lambda: k.env.get(name), "the kubelet resolved the env")
+        assert (
+            resolved["OPENAI_BASE_URL"]
+            == f"http://{RUN}-gateway:8000/t/{resolved['INHARNESS_ATTEMPT_KEY']}/v1"
+        )
+        assert not e.objects("configmaps")  # no task file, no ConfigMap
+        k.release("path")
+
+
+# --- outcomes -----------------------------------------------------------------------------------------
+
+
+async def test_exit_zero_with_a_result_message_completes_with_its_reward_and_cleans_up(env: Env) -> None:
+    e = env
+    rewards = [0.0, 0.25, 1.0, 0.75, 0.5]
+    made = await e.rollouts([kubelet_task(result={"reward": r, "steps": i}) for i, r in enumerate(rewards)])
+    async with kubelet(e), running(e.controller()) as _:
+        done = await e.settled([r.id for r in made])
+        assert [r.reward for r in done] == rewards and {r.status for r in done} == {"succeeded"}
+        assert [r.attempts[0].info["result"] for r in done] == [{"steps": i} for i in range(5)]
+        # ttlSecondsAfterFinished 0: pods go at once, and the batch's Secret and ConfigMap with the last
+        await eventually(
+            lambda: not e.pods() and not e.objects("secrets") and not e.objects("configmaps"), "all gone"
+        )
+
+
+async def test_exit_code_outcome_rewards_zero_exit_with_one_and_other_exits_with_zero(env: Env) -> None:
+    e = env
+    made = await e.rollouts([kubelet_task(), kubelet_task(do="exit", code=3)])
+    async with kubelet(e), running(e.controller(harness={"outcome": {"type": "exitCode"}})):
+        done = await e.settled([r.id for r in made])
+    assert [(r.status, r.reward) for r in done] == [("succeeded", 1.0), ("succeeded", 0.0)]
+
+
+FAILURES = [
+    ("exit", {"do": "exit", "code": 3, "message": "Traceback: boom"}, "NonZeroExit: exited with code 3"),
+    ("oom", {"do": "oom"}, "OOMKilled: "),
+    ("deadline", {"do": "succeed", "seconds": 30}, "DeadlineExceeded: ran past activeDeadlineSeconds (1s)"),
+    ("image-pull", {"do": "image-pull"}, "ImagePullBackOff: "),
+    ("unschedulable", {"do": "unschedulable"}, "Unschedulable: 0/3 nodes are available"),
+    ("deleted", {"do": "delete"}, "PodDeleted: "),
+    ("evicted", {"do": "evict"}, "Evicted: The node was low on resource: memory."),
+    ("no-result", {"do": "exit", "code": 0}, "BadResult: no result in the termination message"),
+    (
+        "bad-result",
+        {"do": "exit", "code": 0, "message": '{"score": 1}'},
+        "BadResult: result has no numeric 'reward'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "script", "reason"), FAILURES, ids=[f[0] for f in FAILURES])
+async def test_a_failure_is_reported_with_its_reason_and_requeued_up_to_max_attempts(
+    env: Env, case: str, script: dict[str, Any], reason: str
+) -> None:
+    e = env
+    (made,) = await e.rollouts([kubelet_task(**script)], max_attempts=2)
+    timeout = 1 if case == "deadline" else 60
+    async with kubelet(e), running(e.controller(harness={"timeoutSeconds": timeout})) as _:
+        (done,) = await e.settled([made.id])
+        # Pods that never finish by themselves (waiting, unschedulable) are deleted, all pods go (TTL 0).
+        await eventually(lambda: not e.pods(), "the failed pods are gone")
+    assert done.status == "failed" and len(done.attempts) == 2, done
+    for a in done.attempts:
+        assert (
+            a.status == "failed" and a.failure_reason is not None and a.failure_reason.startswith(reason)
+        ), a
+        assert a.info["pod"] == pod_name(e.pool, a.id)
+
+
+async def test_the_newest_failed_pods_are_kept_and_the_rest_deleted_after_the_ttl(env: Env) -> None:
+    e = env
+    made = await e.rollouts([kubelet_task(do="exit", code=i + 1) for i in range(4)] + [kubelet_task()])
+    controller = e.controller(
+        pool={"parallelism": 1, "kubernetes": {"ttlSecondsAfterFinished": 0, "keepFailed": 2}}
+    )
+    async with kubelet(e), running(controller):
+        done = await e.settled([r.id for r in made])
+        codes = {r.attempts[0].id: r.attempts[0].info["exit_code"] for r in done[:4]}
+
+        def kept() -> set[int] | None:
+            pods = e.pods()
+            return (
+                {codes[p["metadata"]["labels"]["inharness.dev/attempt"]] for p in pods.values()}
+                if len(pods) == 2
+                else None
+            )
+
+        # parallelism 1 runs them in order: the last two failures (exit 3 and 4) stay
+        assert await eventually(kept, "two failed pods kept") == {3, 4}
+        # and the Secrets of their batches with them, while the others went with their pods
+        assert set(e.objects("secrets")) == {keys_name(e.pool, a) for a, c in codes.items() if c in (3, 4)}
+
+
+# --- leases, parallelism, restarts --------------------------------------------------------------------
+
+
+async def test_heartbeats_renew_the_lease_while_the_pod_runs(env: Env) -> None:
+    e = env
+    (made,) = await e.rollouts([kubelet_task(hold="beats")])
+    async with kubelet(e) as k, running(e.controller(pool={"leaseSeconds": 10})):
+        await eventually(lambda: e.pods(), "a pod")
+        claimed = (await e.gw.get_rollout(made.id)).attempts[0]
+
+        async def renewed() -> bool:
+            a = (await e.gw.get_rollout(made.id)).attempts[0]
+            return a.lease_expires_at > claimed.claimed_at + 10 + 0.5
+
+        await eventually(renewed, "the lease renewed past its first expiry")
+        k.release("beats")
+        (done,) = await e.settled([made.id])
+    assert done.status == "succeeded" and len(done.attempts) == 1
+
+
+async def test_parallelism_is_never_exceeded_on_any_pod_watch_event(env: Env) -> None:
+    e = env
+    scripts = [{"seconds": 0.01 * (i % 5)} for i in range(18)] + [
+        {"do": "unschedulable"},
+        {"do": "image-pull"},
+    ] * 3
+    made = await e.rollouts([kubelet_task(**s) for s in scripts])
+    async with kubelet(e, limit=3) as k, running(e.controller(pool={"parallelism": 3})):
+        done = await e.settled([r.id for r in made], within=60)
+    assert [r.status for r in done] == ["succeeded"] * 18 + ["failed"] * 6
+    assert k.active_over == [] and k.max_active == 3, (k.active_over, k.max_active)
+    assert set(k.added.values()) == {1} and len(k.added) == len(scripts)
+
+
+async def test_a_restart_mid_batch_neither_duplicates_a_pod_nor_loses_or_double_reports_an_outcome(
+    env: Env,
+) -> None:
+    e = env
+    made = await e.rollouts([kubelet_task(hold=f"g{i}", result={"reward": i / 10}) for i in range(6)])
+    keep = {"parallelism": 4, "kubernetes": {"ttlSecondsAfterFinished": 3600}}
+    reports: list[tuple[str, str]] = []
+    async with kubelet(e, limit=4) as k:
+        first = e.controller(pool=keep, on_report=lambda a, o, r: reports.append((a.id, r)))
+        async with running(first):
+            await eventually(lambda: len(k.env) == 4, "four pods running (parallelism 4)")
+            k.release("g0")
+            await eventually(
+                lambda: len(reports) == 1 and len(k.env) == 5, "g0 reported, a fifth pod in its slot"
+            )
+        # The first controller is gone; meanwhile two more harnesses finish unobserved.
+        k.release("g1")
+        k.release("g2")
+        await eventually(
+            lambda: sum((p.get("status") or {}).get("phase") == "Succeeded" for p in e.pods().values()) == 3,
+            "three pods finished",
+        )
+        second = e.controller(pool=keep, on_report=lambda a, o, r: reports.append((a.id, r)))
+        async with running(second):
+            await eventually(lambda: len(reports) == 4, "the adopted finished pods reported")
+            assert second.adopted == 5
+            for i in range(3, 6):
+                k.release(f"g{i}")
+            done = await e.settled([r.id for r in made])
+    assert [r.reward for r in done] == [i / 10 for i in range(6)]
+    assert all(len(r.attempts) == 1 and r.status == "succeeded" for r in done)  # nothing requeued
+    assert set(k.added.values()) == {1} and len(k.added) == 6  # one pod per attempt, ever
+    by_attempt: dict[str, list[str]] = {}
+    for attempt, report in reports:
+        by_attempt.setdefault(attempt, []).append(report)
+    # g0 was reported by the first controller and re-reported after adoption: a duplicate, not counted.
+    assert sorted(map(tuple, by_attempt.values())) == sorted(
+        [("accepted", "duplicate")] + [("accepted",)] * 5
+    )
+    assert first.succeeded + second.succeeded == 6 and second.duplicates == 1
+
+
+async def test_a_pod_of_a_lost_lease_is_deleted_and_not_reported_as_the_attempt(env: Env) -> None:
+    e = env
+    (made,) = await e.rollouts([kubelet_task(hold="lost")])
+    async with kubelet(e), running(e.controller(pool={"leaseSeconds": 10})):
+        await eventually(lambda: e.pods(), "a pod")
+        attempt = (await e.gw.get_rollout(made.id)).attempts[0]
+        # The gateway settles the attempt some other way (here: an admin completes it).
+        await e.gw.complete(attempt.id, "failed", None, {"reason": "cancelled by an admin"})
+        await eventually(lambda: not e.pods(), "the orphaned pod is deleted")
+    (after,) = (await e.gw.get_rollout(made.id)).attempts
+    assert after.failure_reason == "cancelled by an admin"
+
+
+# --- pure parts ---------------------------------------------------------------------------------------
+
+
+def waiting_pod(reason: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p"},
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [
+                {"name": "harness", "state": {"waiting": {"reason": reason, "message": "m"}}}
+            ],
+        },
+    }
+
+
+def test_waiting_problems_fail_only_after_their_grace_counted_from_first_sight() -> None:
+    graces = Graces(image_pull_seconds=120, unschedulable_seconds=300)
+    seen: dict[str, float] = {}
+
+    def at(pod: dict[str, Any], now: float) -> tuple[Outcome | None, float | None]:
+        return classify(
+            pod,
+            gone=False,
+            outcome_type="resultFile",
+            timeout_seconds=60,
+            graces=graces,
+            first_seen=seen,
+            now=now,
+        )
+
+    assert at(waiting_pod("ErrImagePull"), 1000.0) == (None, 1120.0)
+    assert at(waiting_pod("ImagePullBackOff"), 1100.0) == (None, 1120.0)  # one grace for both reasons
+    outcome, _ = at(waiting_pod("ImagePullBackOff"), 1120.0)
+    assert outcome is not None and outcome.reason == "ImagePullBackOff: m"
+    unschedulable = {
+        "metadata": {"name": "p"},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "no"}
+            ],
+        },
+    }
+    assert at(unschedulable, 2000.0) == (None, 2300.0)
+    outcome, _ = at(unschedulable, 2300.0)
+    assert outcome is not None and outcome.reason == "Unschedulable: no"
+    outcome, _ = at(waiting_pod("InvalidImageName"), 0.0)
+    assert outcome is not None and outcome.reason == "InvalidImageName: m"  # no grace: it never heals
+
+
+def test_a_pod_killed_by_its_deletion_or_an_eviction_is_not_a_harness_failure() -> None:
+    graces = Graces(0, 0)
+    killed = {
+        "metadata": {"name": "p", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {"name": "harness", "state": {"terminated": {"exitCode": 143, "reason": "Error"}}}
+            ],
+        },
+    }
+    outcome, _ = classify(
+        killed, gone=False, outcome_type="resultFile", timeout_seconds=1, graces=graces, first_seen={}, now=0
+    )
+    assert outcome is not None and outcome.reason is not None and outcome.reason.startswith("PodDeleted: ")
+    killed["status"]["conditions"] = [
+        {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": "EvictionByEvictionAPI",
+            "message": "Eviction API: evicting",
+        }
+    ]
+    outcome, _ = classify(
+        killed, gone=True, outcome_type="exitCode", timeout_seconds=1, graces=graces, first_seen={}, now=0
+    )
+    assert outcome is not None and outcome.reason == "Evicted: EvictionByEvictionAPI: Eviction API: evicting"
+
+
+# --- the operator ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def own_gateway(tiny_model: Path, tmp_path: Path) -> AsyncIterator[GatewayServer]:
+    """Its own gateway: the pool's `queued` count is the whole gateway's queue."""
+    server = gateway_server(tiny_model, [], tmp_path / "gw.db", tmp_path, admin_token=ADMIN)
+    await asyncio.to_thread(server.start)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_the_operator_runs_a_kubernetes_pool_and_reports_counts_and_the_dominant_failure(
+    own_gateway: GatewayServer, tmp_path: Path
+) -> None:
+    docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+    for d in docs:
+        d["metadata"]["namespace"] = NS
+    harness, pool, run = docs
+    pool["spec"].update(
+        backend="kubernetes",
+        parallelism=2,
+        maxAttemptsPerRollout=1,
+        kubernetes={"ttlSecondsAfterFinished": 0, "keepFailed": 1},
+    )
+    async with RolloutCluster() as k8s, Server(k8s) as server:
+        k8s.add_namespace(NS)
+        url = str(server.url).rstrip("/")
+        log = tmp_path / "operator.log"
+        env = {**os.environ, "KUBECONFIG": str(k8s.kubeconfig(tmp_path / "kubeconfig", url))}
+        async with KubeClient(url) as kube, FakeKubelet(kube, NS, limit=2) as k:
+            # The run's admin token Secret exists already, so the operator uses it (as it keeps it).
+            token = base64.b64encode(ADMIN.encode()).decode()
+            await kube.create(
+                SECRETS,
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {"name": "calc-gateway"},
+                    "data": {"admin-token": token},
+                },
+                NS,
+            )
+            from inharness.operator.kube import HARNESSSPECS, ROLLOUTPOOLS, TRAININGRUNS
+
+            for resource, doc in ((HARNESSSPECS, harness), (ROLLOUTPOOLS, pool), (TRAININGRUNS, run)):
+                await kube.create(resource, doc, NS)
+            with log.open("wb") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "inharness.cli",
+                    "operator",
+                    "run",
+                    "--namespace",
+                    NS,
+                    "--metrics-port",
+                    str(free_port()),
+                    "--liveness-port",
+                    str(free_port()),
+                    "--resync-seconds",
+                    "1",
+                    "--gateway-url",
+                    own_gateway.url,
+                    env=env,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            try:
+                from inharness.operator.kube import DEPLOYMENTS
+
+                async def gateway_up() -> bool:
+                    try:
+                        d = await kube.get(DEPLOYMENTS, "calc-gateway", NS)
+                    except Exception:
+                        return False
+                    status = {
+                        "observedGeneration": d["metadata"]["generation"],
+                        "replicas": 1,
+                        "availableReplicas": 1,
+                        "readyReplicas": 1,
+                    }
+                    await kube.patch(
+                        DEPLOYMENTS, "calc-gateway", {"status": status}, NS, subresource="status"
+                    )
+                    return True
+
+                await eventually(gateway_up, "the operator made the gateway Deployment", within=60)
+                async with GatewayClient(own_gateway.url, ADMIN) as gw:
+                    tasks = [kubelet_task(result={"reward": 1.0})] * 2 + [kubelet_task(do="oom")] * 5
+                    made = await gw.create_rollouts(tasks, pool="calc-pool", max_attempts=1)
+
+                    async def pool_status() -> dict[str, Any] | None:
+                        status = (await kube.get(ROLLOUTPOOLS, "calc-pool", NS)).get("status") or {}
+                        return status if status.get("succeeded") == 2 and status.get("failed") == 5 else None
+
+                    status = await eventually(
+                        pool_status, "pool status counts 2 succeeded, 5 failed", within=60
+                    )
+                    done = [await gw.get_rollout(r.id) for r in made]
+                assert [r.status for r in done] == ["succeeded"] * 2 + ["failed"] * 5
+                assert status["observedGeneration"] == 1 and status["queued"] == 0 and status["running"] == 0
+                conditions = {c["type"]: c for c in status["conditions"]}
+                assert conditions["Ready"]["status"] == "True"
+                degraded = conditions["Degraded"]
+                assert (degraded["status"], degraded["reason"]) == ("True", "OOMKilled"), degraded
+                assert "5 of the last 7" in degraded["message"]
+                assert k.active_over == []
+                pool_uid = (await kube.get(ROLLOUTPOOLS, "calc-pool", NS))["metadata"]["uid"]
+
+                async def one_kept() -> list[dict[str, Any]] | None:
+                    pods = await kube.list(PODS, NS)
+                    return pods if len(pods) == 1 else None
+
+                (kept,) = await eventually(one_kept, "only the newest failed pod kept (keepFailed 1)")
+                assert kept["metadata"]["ownerReferences"][0]["uid"] == pool_uid
+                assert kept["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "OOMKilled"
+                assert (
+                    len(await kube.list(CONFIGMAPS, NS, label_selector="app.kubernetes.io/component=harness"))
+                    <= 1
+                )
+            finally:
+                if proc.returncode is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    try:
+                        await asyncio.wait_for(proc.wait(), 20)
+                    except TimeoutError:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        await proc.wait()
+            assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
