@@ -26,7 +26,7 @@ import kopf
 from prometheus_client import start_http_server
 from pydantic import BaseModel, Field, model_validator
 
-from inharness.operator import trainingruns
+from inharness.operator import pools, trainingruns
 from inharness.operator.events import EventRecorder
 from inharness.operator.kube import KubeClient
 from inharness.operator.metrics import OperatorMetrics
@@ -103,15 +103,28 @@ async def _startup(memo: kopf.Memo, **_: Any) -> None:
     memo.resync = asyncio.create_task(
         trainingruns.resync_forever(memo.trainingruns, namespaces), name="trainingrun-resync"
     )
+    memo.pools = pools.PoolManager(
+        kube,
+        memo.trainingruns.events,
+        state.metrics,
+        gateway_url=state.config.gateway_url,
+        namespaces=namespaces,
+        interval=min(state.config.resync_seconds, 5.0),
+    )
+    memo.pool_sync = asyncio.create_task(memo.pools.run_forever(), name="rolloutpool-sync")
 
 
 @kopf.on.cleanup()
 async def _cleanup(memo: kopf.Memo, **_: Any) -> None:
-    task: asyncio.Task[None] | None = getattr(memo, "resync", None)
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    for name in ("resync", "pool_sync"):
+        task: asyncio.Task[None] | None = getattr(memo, name, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    manager: pools.PoolManager | None = getattr(memo, "pools", None)
+    if manager is not None:
+        await manager.close()  # harness pods run on: the next operator adopts them
     kube: KubeClient | None = getattr(memo, "kube", None)
     if kube is not None:
         await kube.aclose()
