@@ -42,13 +42,20 @@ class RolloutCluster(EmulatedCluster):
     - label selectors on list and watch (equality, inequality and existence terms);
     - a watch without gaps: kmock snapshots the objects and only then subscribes to changes, so
       an object created in between was never sent; here the subscription comes first;
+    - a watch's `timeoutSeconds`: the server ends the stream after it, as a real one does;
+    - `expire_versions`: while set, a watch from a resourceVersion gets a 410 Gone ERROR event (what a
+      real API server answers for a compacted version), once per setting;
     - constant cost per request: kmock keeps every request and matches each new one against that
       whole history, and keeps deleted objects; here only the request in flight is kept and a
       deleted object is forgotten once its DELETED event went out.
     """
 
+    expire_versions = False
+
     async def _handle(self, request: Any) -> Any:
         del self._requests[:-1]
+        for payload in self._payloads:  # each reaction keeps the requests it served, too
+            del payload._requests[:]
         try:
             return await super()._handle(request)
         finally:
@@ -76,15 +83,28 @@ class RolloutCluster(EmulatedCluster):
 
     async def _serve_watch(self, request: Any) -> AsyncIterator[Any]:
         yield b""
+        if self.expire_versions and request.params.get("resourceVersion"):
+            self.expire_versions = False
+            status = {"kind": "Status", "status": "Failure", "code": 410, "reason": "Expired"}
+            yield {"type": "ERROR", "object": {**status, "message": "too old resource version"}}
+            return
         wanted = _selector(request.params.get("labelSelector") or "")
+        timeout = float(request.params.get("timeoutSeconds") or 0) or None
         bus = self._buses[request.resource]
         async with self._lock:
             marker = await bus.mark()
             events = [{"type": "ADDED", "object": raw} for raw in self._matching(request)]
+        stream = bus.stream(since=marker)
+        ends = None if timeout is None else asyncio.get_running_loop().time() + timeout
         try:
             for event in events:
                 yield event
-            async for event in bus.stream(since=marker):
+            while True:
+                left = None if ends is None else ends - asyncio.get_running_loop().time()
+                try:
+                    event = await asyncio.wait_for(anext(stream), left)
+                except TimeoutError:
+                    return
                 obj = event.get("object") or {}
                 namespace = (obj.get("metadata") or {}).get("namespace")
                 if request.namespace is not None and namespace != request.namespace:
@@ -92,6 +112,7 @@ class RolloutCluster(EmulatedCluster):
                 if _labels_match(wanted, obj):
                     yield event
         finally:
+            await stream.aclose()
             await bus.unmark(marker)
 
 

@@ -481,6 +481,26 @@ async def test_a_pod_of_a_lost_lease_is_deleted_and_not_reported_as_the_attempt(
     assert after.failure_reason == "cancelled by an admin"
 
 
+async def test_a_deletion_missed_while_the_watch_was_away_is_found_by_the_relist_after_410_gone(
+    env: Env,
+) -> None:
+    e = env
+    (made,) = await e.rollouts([kubelet_task(hold="missed")])
+    controller = e.controller()
+    controller.watch_timeout_seconds = 1  # the server ends each watch after 1 s; the controller resumes
+    async with kubelet(e), running(controller):
+        pods = await eventually(lambda: e.pods(), "a pod")
+        (name,) = pods
+        # The pod vanishes without an event reaching the controller, and its resourceVersion is too
+        # old by the time it reconnects: the API server answers 410 Gone, the controller re-lists.
+        e.k8s.expire_versions = True
+        del e.k8s.objects["v1/pods", NS, name]
+        (done,) = await e.settled([made.id])
+    assert done.status == "failed" and done.attempts[0].failure_reason is not None
+    assert done.attempts[0].failure_reason.startswith("PodDeleted: ")
+    assert not e.k8s.expire_versions  # the 410 was served
+
+
 # --- pure parts ---------------------------------------------------------------------------------------
 
 

@@ -477,6 +477,11 @@ class KubernetesRolloutController(ClaimingController):
         self._reap = asyncio.Event()
         self._resource_version = ""
 
+    @property
+    def pods(self) -> int:
+        """Pods this controller tracks: in flight, or finished and waiting for their cleanup."""
+        return len(self._pods)
+
     # -- run ----------------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -867,7 +872,7 @@ class KubernetesRolloutController(ClaimingController):
     # -- the watch ----------------------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        backoff = 0.5
+        backoff, expired = 0.5, 0
         while True:
             try:
                 async for kind, pod in self.kube.watch(
@@ -877,16 +882,19 @@ class KubernetesRolloutController(ClaimingController):
                     resource_version=self._resource_version or None,
                     timeout_seconds=self.watch_timeout_seconds,
                 ):
-                    backoff = 0.5
+                    backoff, expired = 0.5, 0
                     version = (pod.get("metadata") or {}).get("resourceVersion")
                     if version:
                         self._resource_version = str(version)
                     if kind != "BOOKMARK":
                         self._on_pod(kind, pod)
+                continue  # the server ended the watch (its timeout): resume from the last version
             except KubeError as exc:
                 if exc.status == 410:  # too old a resourceVersion: start over from a fresh list
+                    expired += 1
                     await self._relist()
-                    continue
+                    if expired == 1:
+                        continue
                 self.log(f"pool {self.pool_name}: pod watch failed, retrying: {exc}")
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 self.log(f"pool {self.pool_name}: pod watch broke, retrying: {exc!r}")
