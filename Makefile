@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-train ablation test lint fmt bench-gateway crds clean
+.PHONY: demo demo-train ablation test lint fmt bench-gateway crds deploy-manifests helm-lint images e2e clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -45,6 +45,23 @@ bench-gateway: $(STAMP)
 # The CRDs, from the spec models: crds/ and the chart's copy (a test fails when they are stale).
 crds: $(STAMP)
 	$(BIN)/inharness operator crds
+	$(BIN)/python tools/deploy_manifests.py
+
+# deploy/base/inharness.yaml: the chart rendered with helm template, CRDs included (a test fails when stale).
+deploy-manifests: $(STAMP)
+	$(BIN)/python tools/deploy_manifests.py
+
+helm-lint: $(STAMP)
+	$(BIN)/helm lint --strict charts/inharness
+
+# The images, tagged $(TAG): docker or podman needed (the command says which is missing).
+TAG ?= dev
+images:
+	TAG=$(TAG) tools/images.sh
+
+# The chart on a kind cluster, the calc example trained to Complete; skips (exit 0) without docker and kind.
+e2e:
+	TAG=$(TAG) tools/e2e.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

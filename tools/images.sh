@@ -10,6 +10,10 @@ if [ -z "$engine" ]; then
   echo "make images needs docker or podman on PATH (neither was found)" >&2
   exit 1
 fi
+if [ "$(basename "$engine")" = docker ] && ! docker info >/dev/null 2>&1; then
+  echo "make images needs a running docker daemon (docker is on PATH but its daemon does not answer)" >&2
+  exit 1
+fi
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=(inharness trainer calc-harness)
 for name in "${names[@]}"; do
