@@ -2,14 +2,14 @@
 # Build the images (`make images`): tools/images.sh [inharness] [trainer] [calc-harness]; all three
 # by default, tagged $TAG (default dev). Uses docker, else podman.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-TAG="${TAG:-dev}"
-REGISTRY="${REGISTRY:-ghcr.io/inharness}"
 engine="$(command -v docker || command -v podman || true)"
 if [ -z "$engine" ]; then
   echo "make images needs docker or podman on PATH (neither was found)" >&2
   exit 1
 fi
+cd "$(dirname "$0")/.."
+TAG="${TAG:-dev}"
+REGISTRY="${REGISTRY:-ghcr.io/inharness}"
 if [ "$(basename "$engine")" = docker ] && ! docker info >/dev/null 2>&1; then
   echo "make images needs a running docker daemon (docker is on PATH but its daemon does not answer)" >&2
   exit 1
