@@ -562,11 +562,7 @@ def test_network_policies_go_to_every_watched_namespace_or_none_when_disabled() 
 
 def test_notes_tell_where_the_operator_watches() -> None:
     need_binaries()
-    notes = run(
-        [HELM, "template", RELEASE, CHART, "-n", NAMESPACE, "--show-only", "templates/NOTES.txt"], check=False
-    )
-    # helm template does not render NOTES.txt as a manifest; `helm install --dry-run` does.
-    assert notes.returncode != 0
+    # `helm template` leaves NOTES.txt out; a client-side dry-run install renders it (no cluster needed).
     dry = run(
         [
             HELM,
