@@ -27,7 +27,16 @@ from testsupport import gateway_server
 
 from inharness.gateway.client import GatewayClient
 from inharness.gateway.schema import RolloutOut
-from inharness.operator.kube import CONFIGMAPS, PODS, SECRETS, KubeClient
+from inharness.operator.kube import (
+    DEPLOYMENTS,
+    HARNESSSPECS,
+    PODS,
+    ROLLOUTPOOLS,
+    SECRETS,
+    TRAININGRUNS,
+    KubeClient,
+    NotFound,
+)
 from inharness.operator.rollouts import Outcome
 from inharness.operator.rollouts.kubernetes import (
     Graces,
@@ -594,7 +603,38 @@ async def own_gateway(tiny_model: Path, tmp_path: Path) -> AsyncIterator[Gateway
         server.stop()
 
 
-async def test_the_operator_runs_a_kubernetes_pool_and_reports_counts_and_the_dominant_failure(
+class Operator:
+    """`inharness operator run` as a subprocess against the emulator, stopped with SIGTERM."""
+
+    def __init__(self, kubeconfig: Path, gateway_url: str, log: Path) -> None:
+        self.env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+        self.gateway_url, self.log = gateway_url, log
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = await asyncio.create_subprocess_exec(
+                *[sys.executable, "-m", "inharness.cli", "operator", "run", "--namespace", NS],
+                *["--metrics-port", str(free_port()), "--liveness-port", str(free_port())],
+                *["--resync-seconds", "1", "--gateway-url", self.gateway_url],
+                env=self.env,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    async def stop(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), 20)
+        except TimeoutError:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            await self.proc.wait()
+
+
+async def test_the_operator_runs_a_kubernetes_pool_reports_counts_and_the_dominant_failure_across_restarts(
     own_gateway: GatewayServer, tmp_path: Path
 ) -> None:
     docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
@@ -611,78 +651,43 @@ async def test_the_operator_runs_a_kubernetes_pool_and_reports_counts_and_the_do
         k8s.add_namespace(NS)
         url = str(server.url).rstrip("/")
         log = tmp_path / "operator.log"
-        env = {**os.environ, "KUBECONFIG": str(k8s.kubeconfig(tmp_path / "kubeconfig", url))}
-        async with KubeClient(url) as kube, FakeKubelet(kube, NS, limit=2) as k:
+        operator = Operator(k8s.kubeconfig(tmp_path / "kubeconfig", url), own_gateway.url, log)
+        async with (
+            KubeClient(url) as kube,
+            FakeKubelet(kube, NS, limit=2) as k,
+            GatewayClient(own_gateway.url, ADMIN) as gw,
+        ):
             # The run's admin token Secret exists already, so the operator uses it (as it keeps it).
-            token = base64.b64encode(ADMIN.encode()).decode()
+            secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "calc-gateway"}}
             await kube.create(
-                SECRETS,
-                {
-                    "apiVersion": "v1",
-                    "kind": "Secret",
-                    "metadata": {"name": "calc-gateway"},
-                    "data": {"admin-token": token},
-                },
-                NS,
+                SECRETS, {**secret, "data": {"admin-token": base64.b64encode(ADMIN.encode()).decode()}}, NS
             )
-            from inharness.operator.kube import HARNESSSPECS, ROLLOUTPOOLS, TRAININGRUNS
-
             for resource, doc in ((HARNESSSPECS, harness), (ROLLOUTPOOLS, pool), (TRAININGRUNS, run)):
                 await kube.create(resource, doc, NS)
-            with log.open("wb") as out:
-                proc = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "inharness.cli",
-                    "operator",
-                    "run",
-                    "--namespace",
-                    NS,
-                    "--metrics-port",
-                    str(free_port()),
-                    "--liveness-port",
-                    str(free_port()),
-                    "--resync-seconds",
-                    "1",
-                    "--gateway-url",
-                    own_gateway.url,
-                    env=env,
-                    stdout=out,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,
+
+            async def gateway_up() -> bool:
+                """Do what the Deployment controller would: the operator's gateway is available."""
+                try:
+                    d = await kube.get(DEPLOYMENTS, "calc-gateway", NS)
+                except NotFound:
+                    return False
+                status = {"observedGeneration": d["metadata"]["generation"], "availableReplicas": 1}
+                await kube.patch(DEPLOYMENTS, "calc-gateway", {"status": status}, NS, subresource="status")
+                return True
+
+            async def pool_status(succeeded: int, failed: int) -> dict[str, Any] | None:
+                status = (await kube.get(ROLLOUTPOOLS, "calc-pool", NS)).get("status") or {}
+                return (
+                    status if (status.get("succeeded"), status.get("failed")) == (succeeded, failed) else None
                 )
+
+            await operator.start()
             try:
-                from inharness.operator.kube import DEPLOYMENTS
-
-                async def gateway_up() -> bool:
-                    try:
-                        d = await kube.get(DEPLOYMENTS, "calc-gateway", NS)
-                    except Exception:
-                        return False
-                    status = {
-                        "observedGeneration": d["metadata"]["generation"],
-                        "replicas": 1,
-                        "availableReplicas": 1,
-                        "readyReplicas": 1,
-                    }
-                    await kube.patch(
-                        DEPLOYMENTS, "calc-gateway", {"status": status}, NS, subresource="status"
-                    )
-                    return True
-
                 await eventually(gateway_up, "the operator made the gateway Deployment", within=60)
-                async with GatewayClient(own_gateway.url, ADMIN) as gw:
-                    tasks = [kubelet_task(result={"reward": 1.0})] * 2 + [kubelet_task(do="oom")] * 5
-                    made = await gw.create_rollouts(tasks, pool="calc-pool", max_attempts=1)
-
-                    async def pool_status() -> dict[str, Any] | None:
-                        status = (await kube.get(ROLLOUTPOOLS, "calc-pool", NS)).get("status") or {}
-                        return status if status.get("succeeded") == 2 and status.get("failed") == 5 else None
-
-                    status = await eventually(
-                        pool_status, "pool status counts 2 succeeded, 5 failed", within=60
-                    )
-                    done = [await gw.get_rollout(r.id) for r in made]
+                tasks = [kubelet_task(result={"reward": 1.0})] * 2 + [kubelet_task(do="oom")] * 5
+                made = await gw.create_rollouts(tasks, pool="calc-pool", max_attempts=1)
+                status = await eventually(lambda: pool_status(2, 5), "status: 2 succeeded, 5 failed", 60)
+                done = [await gw.get_rollout(r.id) for r in made]
                 assert [r.status for r in done] == ["succeeded"] * 2 + ["failed"] * 5
                 assert status["observedGeneration"] == 1 and status["queued"] == 0 and status["running"] == 0
                 conditions = {c["type"]: c for c in status["conditions"]}
@@ -690,7 +695,6 @@ async def test_the_operator_runs_a_kubernetes_pool_and_reports_counts_and_the_do
                 degraded = conditions["Degraded"]
                 assert (degraded["status"], degraded["reason"]) == ("True", "OOMKilled"), degraded
                 assert "5 of the last 7" in degraded["message"]
-                assert k.active_over == []
                 pool_uid = (await kube.get(ROLLOUTPOOLS, "calc-pool", NS))["metadata"]["uid"]
 
                 async def one_kept() -> list[dict[str, Any]] | None:
@@ -700,16 +704,21 @@ async def test_the_operator_runs_a_kubernetes_pool_and_reports_counts_and_the_do
                 (kept,) = await eventually(one_kept, "only the newest failed pod kept (keepFailed 1)")
                 assert kept["metadata"]["ownerReferences"][0]["uid"] == pool_uid
                 assert kept["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "OOMKilled"
-                assert (
-                    len(await kube.list(CONFIGMAPS, NS, label_selector="app.kubernetes.io/component=harness"))
-                    <= 1
+
+                # An operator restart while an attempt runs: the pod is left running, adopted, reported once.
+                (held,) = await gw.create_rollouts(
+                    [kubelet_task(hold="restart")], pool="calc-pool", max_attempts=1
                 )
+                await eventually(lambda: len(k.env) == 8, "the eighth pod runs")
+                await operator.stop()
+                k.release("restart")
+                await operator.start()
+                status = await eventually(lambda: pool_status(3, 5), "status: 3 succeeded, 5 failed", 60)
+                assert (await gw.get_rollout(held.id)).status == "succeeded"
+                assert len((await gw.get_rollout(held.id)).attempts) == 1
+                # too few outcomes since the restart to judge: Degraded stays as it was
+                assert {c["type"]: c["reason"] for c in status["conditions"]}["Degraded"] == "OOMKilled"
+                assert k.active_over == [] and set(k.added.values()) == {1}
             finally:
-                if proc.returncode is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    try:
-                        await asyncio.wait_for(proc.wait(), 20)
-                    except TimeoutError:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        await proc.wait()
+                await operator.stop()
             assert "Traceback" not in log.read_text(), log.read_text()[-4000:]

@@ -202,6 +202,7 @@ class PoolManager:
         """Add the controllers this pool should have to `wanted`; returns why it has none, if so."""
         meta = body["metadata"]
         ns, name = meta.get("namespace") or "", meta["name"]
+        self._state(body)
         try:
             pool = spec_model(RolloutPool, body)
         except ValidationError as exc:
@@ -274,7 +275,7 @@ class PoolManager:
     def _start(self, want: _Want) -> None:
         url = self.gateway_url.format(name=want.run, namespace=want.namespace)
         gateway = GatewayClient(url, want.token, timeout=30.0)
-        state = self._pools.setdefault((want.namespace, want.pool), _PoolState())
+        state = self._pools[(want.namespace, want.pool)]
 
         def finished(_: ClaimedAttempt, outcome: Outcome) -> None:
             if outcome.status == "succeeded":
@@ -331,16 +332,24 @@ class PoolManager:
 
     # -- status -------------------------------------------------------------------------------------
 
+    def _state(self, body: Mapping[str, Any]) -> _PoolState:
+        """The pool's remembered state; on first sight (e.g. after an operator restart) the counts
+        continue from its status."""
+        meta = body["metadata"]
+        key = (meta.get("namespace") or "", meta["name"])
+        if key not in self._pools:
+            status = body.get("status") or {}
+            self._pools[key] = _PoolState(
+                succeeded=int(status.get("succeeded") or 0), failed=int(status.get("failed") or 0)
+            )
+        return self._pools[key]
+
     async def _write_status(self, body: dict[str, Any], problem: tuple[str, str] | None) -> None:
         meta = body["metadata"]
         ns, name = meta.get("namespace") or "", meta["name"]
         current: dict[str, Any] = dict(body.get("status") or {})
         key = (ns, name)
-        if key not in self._pools:
-            self._pools[key] = _PoolState(
-                succeeded=int(current.get("succeeded") or 0), failed=int(current.get("failed") or 0)
-            )
-        state = self._pools[key]
+        state = self._state(body)
         lives = [live for live in self._live.values() if (live.want.namespace, live.want.pool) == key]
         for live in lives:
             with contextlib.suppress(GatewayError, httpx.HTTPError, ValueError):

@@ -41,6 +41,8 @@ detaches from running pods without reporting them, so the next controller adopts
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import json
 import logging
 import time
@@ -424,7 +426,6 @@ class KubernetesRolloutController(ClaimingController):
     claim_concurrency = 8
     watch_timeout_seconds = 300
     create_tries = 4
-    reap_every_seconds = 1.0
 
     def __init__(
         self,
@@ -475,6 +476,10 @@ class KubernetesRolloutController(ClaimingController):
         self._pods: dict[str, _Tracked] = {}
         self._batches: dict[str, set[str]] = {}
         self._reap = asyncio.Event()
+        self._expiry: list[tuple[float, int, _Tracked]] = []  # finished pods by finish time (heap)
+        self._kept: list[tuple[float, int, _Tracked]] = []  # the newest failed pods, oldest first
+        self._seq = itertools.count()
+        self._freed = asyncio.Event()  # an attempt task ended: a slot may be free
         self._resource_version = ""
 
     @property
@@ -494,10 +499,14 @@ class KubernetesRolloutController(ClaimingController):
         idle = self.idle_min_seconds
         try:
             while not stop.is_set():
+                self._freed.clear()
                 self._prune()
                 free = self.parallelism - len(self._active)
                 if free <= 0:
-                    await asyncio.wait([*self._active, stopped], return_when=asyncio.FIRST_COMPLETED)
+                    # one event, not a wait on every task: that would cost O(parallelism) per attempt
+                    freed = asyncio.create_task(self._freed.wait())
+                    await asyncio.wait([freed, stopped], return_when=asyncio.FIRST_COMPLETED)
+                    freed.cancel()
                     continue
                 batch = await self._claim_batch(min(free, self.max_batch))
                 if not batch:
@@ -540,8 +549,8 @@ class KubernetesRolloutController(ClaimingController):
                     await self._delete(resource, name)
 
     def _ours(self, obj: Mapping[str, Any]) -> bool:
-        """Whether the object carries this controller's labels (a real API server filters by the
-        selector already; the emulator in the tests does not)."""
+        """Whether the object carries this controller's labels: the API server filters by the
+        selector already, kmock's stock emulator does not, and the check costs nothing."""
         labels = (obj.get("metadata") or {}).get("labels") or {}
         return (
             labels.get(LABEL_POOL) == self.pool_name
@@ -657,6 +666,7 @@ class KubernetesRolloutController(ClaimingController):
         finally:
             t.done = True
             self._forget_if_finished(t)
+            self._freed.set()
 
     async def execute(self, attempt: ClaimedAttempt, abort: Abort) -> Outcome:
         """Create the attempt's pod (an adopted one exists already) and wait for its outcome. A stop
@@ -750,7 +760,8 @@ class KubernetesRolloutController(ClaimingController):
             self.unreported += 1
         if self.on_report is not None:
             self.on_report(t.attempt, outcome, report)
-        self._reap.set()
+        if not t.gone and not t.deleting:
+            self._to_reap(t)
         if t.deleting:
             await self._wait_gone(t, abort)
 
@@ -844,30 +855,33 @@ class KubernetesRolloutController(ClaimingController):
         if self.ctx.task_as_file:
             await self._delete(CONFIGMAPS, tasks_name(self.pool_name, batch))
 
+    def _to_reap(self, t: _Tracked) -> None:
+        """Queue a finished pod for deletion after the TTL; the newest `keepFailed` failed pods wait
+        in `_kept` until newer failures push them out."""
+        assert t.finished is not None
+        item = (t.finished, next(self._seq), t)
+        keep = self.ctx.settings.keep_failed
+        if t.failed and keep > 0:
+            heapq.heappush(self._kept, item)
+            if len(self._kept) <= keep:
+                return
+            item = heapq.heappop(self._kept)
+        heapq.heappush(self._expiry, item)
+        self._reap.set()
+
     async def _reaper(self) -> None:
-        """Delete finished pods after the TTL, except the newest `keepFailed` failed ones."""
-        settings = self.ctx.settings
+        """Delete finished pods once their TTL has passed (O(log n) per pod, deletions concurrent)."""
+        ttl = self.ctx.settings.ttl_seconds_after_finished
         while True:
             self._reap.clear()
             now = time.monotonic()
-            finished = [
-                t for t in self._pods.values() if t.finished is not None and not t.gone and not t.deleting
-            ]
-            failed = sorted((t for t in finished if t.failed), key=lambda t: t.finished or 0.0, reverse=True)
-            kept = set(failed[: settings.keep_failed])
-            due = [
-                t
-                for t in finished
-                if t not in kept and now - (t.finished or now) >= settings.ttl_seconds_after_finished
-            ]
-            for t in due:
-                await self._delete_pod(t)
-            waiting = [t.finished or now for t in finished if t not in kept and t not in due]
-            wait = self.reap_every_seconds
-            if waiting:
-                wait = min(wait, max(0.0, min(waiting) + settings.ttl_seconds_after_finished - now))
+            due: list[_Tracked] = []
+            while self._expiry and self._expiry[0][0] + ttl <= now:
+                due.append(heapq.heappop(self._expiry)[2])
+            await asyncio.gather(*(self._delete_pod(t) for t in due if not t.gone))
+            wait = None if not self._expiry else max(0.0, self._expiry[0][0] + ttl - time.monotonic())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reap.wait(), max(wait, 0.01))
+                await asyncio.wait_for(self._reap.wait(), wait)
 
     # -- the watch ----------------------------------------------------------------------------------
 

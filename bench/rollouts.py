@@ -1,0 +1,200 @@
+"""The kubernetes rollout backend's throughput and its Kubernetes API requests per attempt, for
+100 / 1,000 / 10,000 attempts, in one run.
+
+Parts: a real gateway (subprocess, SQLite store), kmock's emulator with the fake kubelet of the
+tests (tests/operator/fake_kubelet.py) in a second process, and the controller in this one, as the
+operator runs it: one pod per attempt, a key Secret and a task ConfigMap per batch, a pod watch, TTL
+0 (each pod deleted once reported). Each harness "runs" for no time, so what is measured is the
+controller, the API and the gateway, not harnesses. API requests are counted by verb in the
+controller's KubeClient (the kubelet's own requests are not the operator's).
+
+Run: make bench-rollouts   (or: .venv/bin/python bench/rollouts.py [--sizes 100,1000] [--qps 50])
+"""
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "operator"))
+
+from inharness.gateway.client import GatewayClient  # noqa: E402
+from inharness.operator.kube import KubeClient  # noqa: E402
+from inharness.operator.rollouts.kubernetes import KubernetesRolloutController  # noqa: E402
+from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec  # noqa: E402
+from inharness.procs import ServerProcess, free_port  # noqa: E402
+
+ADMIN = "bench-admin-token"
+NS = "bench"
+VERBS = ("create", "delete", "list", "watch", "get", "patch")
+
+
+def emulator_process(ready: Any, done: Any) -> None:
+    """The emulator and the fake kubelet, in their own process (the machine's second core)."""
+
+    async def serve() -> None:
+        from fake_kubelet import FakeKubelet, RolloutCluster
+        from kmock import Server
+
+        async with RolloutCluster() as k8s, Server(k8s) as server:
+            url = str(server.url).rstrip("/")
+            async with KubeClient(url, qps=1e6, burst=1_000_000) as kube, FakeKubelet(kube, NS):
+                ready.put(url)
+                while not await asyncio.to_thread(done.wait, 0.5):
+                    pass
+
+    asyncio.run(serve())
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, from /proc."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_size(
+    url: str, gateway: str, n: int, args: argparse.Namespace, pids: dict[str, int]
+) -> dict[str, Any]:
+    pool_name = f"bench-{n}"
+    async with (
+        GatewayClient(gateway, ADMIN, timeout=120) as gw,
+        KubeClient(url, qps=args.qps, burst=args.burst) as kube,
+    ):
+        for start in range(0, n, 10_000):
+            tasks = [{"i": i} for i in range(start, min(n, start + 10_000))]
+            await gw.create_rollouts(tasks, pool=pool_name, max_attempts=1)
+        pool = RolloutPoolSpec.model_validate(
+            {
+                "harnessRef": {"name": "bench"},
+                "backend": "kubernetes",
+                "parallelism": args.parallelism,
+                "kubernetes": {"ttlSecondsAfterFinished": 0, "keepFailed": 0},
+            }
+        )
+        harness = HarnessSpecSpec.model_validate(
+            {"image": "example.org/harness:bench", "command": ["harness"]}
+        )
+        reported: Counter[str] = Counter()
+        controller = KubernetesRolloutController(
+            gw,
+            kube,
+            namespace=NS,
+            run="bench",
+            pool_name=pool_name,
+            pool_uid=None,
+            pool=pool,
+            harness=harness,
+            log=lambda _: None,
+            on_report=lambda _a, outcome, report: reported.update([f"{outcome.status}/{report}"]),
+        )
+        stop = asyncio.Event()
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        t0 = time.perf_counter()
+        task = asyncio.create_task(controller.run(stop))
+        started_at = done_at = None
+        max_running = 0
+        next_note = 10.0
+        while True:
+            await asyncio.sleep(0.02)
+            max_running = max(max_running, controller.running)
+            elapsed = time.perf_counter() - t0
+            if started_at is None and controller.started >= n:
+                started_at = elapsed
+            if done_at is None and sum(reported.values()) >= n:
+                done_at = elapsed
+            if elapsed >= next_note:
+                next_note += 10
+                print(
+                    f"  {n}: {elapsed:.0f}s, {controller.started} started, "
+                    f"{sum(reported.values())} reported, "
+                    f"{controller.running} running, {controller.pods} pods",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            # the last pods' deletions belong to the count too
+            if done_at is not None and (not controller.pods or elapsed > done_at + 60):
+                break
+            if task.done():
+                task.result()
+                raise RuntimeError("the controller stopped early")
+        stop.set()
+        await task
+        cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        assert started_at is not None
+        requests = dict(kube.requests)
+    return {
+        "n": n,
+        "started_per_s": n / started_at,
+        "completed_per_s": n / done_at,
+        "seconds": done_at,
+        "max_running": max_running,
+        "per_attempt": {v: requests.get(v, 0) / n for v in VERBS},
+        "reported": dict(reported),
+        "cpu_ms": {name: 1000 * (cpu_after[name] - cpu_before[name]) / n for name in pids},
+    }
+
+
+async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from inharness.engine.tiny import init_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_tiny(Path(tmp) / "tiny", seed=0)
+        port = free_port()
+        gw_args = ["gateway", "--model", str(model), "--store", f"sqlite:///{tmp}/gw.db", "--port", str(port)]
+        gateway = ServerProcess.inharness(
+            [*gw_args, "--admin-token", ADMIN], port=port, log=Path(tmp) / "gateway.log", health="/healthz"
+        ).start()
+        ctx = multiprocessing.get_context("spawn")
+        ready, done = ctx.Queue(), ctx.Event()
+        emulator = ctx.Process(target=emulator_process, args=(ready, done), daemon=True)
+        emulator.start()
+        try:
+            url = ready.get(timeout=60)
+            assert gateway.proc is not None and emulator.pid is not None
+            pids = {"controller": os.getpid(), "emulator+kubelet": emulator.pid, "gateway": gateway.proc.pid}
+            return [await one_size(url, gateway.url, n, args, pids) for n in args.sizes]
+        finally:
+            done.set()
+            emulator.join(10)
+            gateway.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="100,1000,10000", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--parallelism", type=int, default=1000)
+    parser.add_argument(
+        "--qps", type=float, default=200.0, help="the controller's client-side API rate limit"
+    )
+    parser.add_argument("--burst", type=int, default=400)
+    args = parser.parse_args()
+    results = asyncio.run(bench(args))
+    print(
+        f"kubernetes rollout backend on kmock's emulator + fake kubelet + real gateway, "
+        f"parallelism {args.parallelism}, client QPS {args.qps:g} burst {args.burst}"
+    )
+    head = f"{'attempts':>9} {'started/s':>10} {'completed/s':>12} {'seconds':>8} {'in flight':>10}"
+    head += "".join(f" {v + '/att':>11}" for v in VERBS) + f" {'all/att':>8}"
+    print(head)
+    for r in results:
+        row = f"{r['n']:>9} {r['started_per_s']:>10.1f} {r['completed_per_s']:>12.1f} {r['seconds']:>8.1f}"
+        row += f" {r['max_running']:>10}"
+        row += "".join(f" {r['per_attempt'][v]:>11.3f}" for v in VERBS)
+        row += f" {sum(r['per_attempt'].values()):>8.3f}"
+        print(row)
+    print("CPU milliseconds per attempt, by process:")
+    for r in results:
+        cpu = ", ".join(f"{name} {ms:.1f}" for name, ms in r["cpu_ms"].items())
+        print(f"  {r['n']:>6} attempts: {cpu}; outcomes {r['reported']}")
+
+
+if __name__ == "__main__":
+    main()
