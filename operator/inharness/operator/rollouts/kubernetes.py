@@ -424,6 +424,7 @@ class KubernetesRolloutController(ClaimingController):
 
     max_batch = 100
     claim_concurrency = 8
+    gateway_concurrency = 16
     watch_timeout_seconds = 300
     create_tries = 4
 
@@ -480,6 +481,9 @@ class KubernetesRolloutController(ClaimingController):
         self._kept: list[tuple[float, int, _Tracked]] = []  # the newest failed pods, oldest first
         self._seq = itertools.count()
         self._freed = asyncio.Event()  # an attempt task ended: a slot may be free
+        # Gateway calls in flight at most: httpx's connection pool does work in proportion to its
+        # waiting requests on every change, so thousands of heartbeats at once would cost O(n^2) there.
+        self._gate = asyncio.Semaphore(self.gateway_concurrency)
         self._resource_version = ""
 
     @property
@@ -582,6 +586,26 @@ class KubernetesRolloutController(ClaimingController):
         self._active[asyncio.create_task(self._attempt_task(t, abort, create=False))] = abort
 
     # -- claiming and starting ----------------------------------------------------------------------
+
+    async def _claim(self) -> ClaimedAttempt | None:
+        async with self._gate:
+            return await super()._claim()
+
+    async def _heartbeats(self, attempt: ClaimedAttempt, abort: Abort) -> None:
+        """The base class's lease renewal, through the gate."""
+        while True:
+            await asyncio.sleep(self.heartbeat_seconds)
+            try:
+                async with self._gate:
+                    await self.gateway.heartbeat(attempt.id, self.lease_seconds)
+            except GatewayError as exc:
+                if exc.status in (404, 409):
+                    self.log(f"attempt {attempt.id}: lease lost, stopping it: {exc.message}")
+                    abort.trigger(f"lease lost: {exc.message}")
+                    return
+                self.log(f"attempt {attempt.id}: heartbeat failed, retrying: {exc}")
+            except httpx.HTTPError as exc:
+                self.log(f"attempt {attempt.id}: heartbeat failed, retrying: {exc!r}")
 
     async def _claim_batch(self, n: int) -> list[ClaimedAttempt]:
         out: list[ClaimedAttempt] = []
@@ -696,7 +720,8 @@ class KubernetesRolloutController(ClaimingController):
     async def _renew(self, t: _Tracked, abort: Abort) -> bool:
         """One heartbeat at once for an adopted running pod: its lease ran on while no controller did."""
         try:
-            await self.gateway.heartbeat(t.attempt.id, self.lease_seconds)
+            async with self._gate:
+                await self.gateway.heartbeat(t.attempt.id, self.lease_seconds)
         except GatewayError as exc:
             if exc.status in (404, 409):
                 abort.trigger(f"lease lost: {exc.message}")
@@ -790,9 +815,10 @@ class KubernetesRolloutController(ClaimingController):
         the lease will do that)."""
         for tries in range(1, self.report_tries + 1):
             try:
-                _, duplicate = await self.gateway.complete(
-                    attempt.id, outcome.status, outcome.reward, outcome.info
-                )
+                async with self._gate:
+                    _, duplicate = await self.gateway.complete(
+                        attempt.id, outcome.status, outcome.reward, outcome.info
+                    )
                 return "duplicate" if duplicate else "accepted"
             except GatewayError as exc:
                 if exc.status < 500:
