@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-train ablation test lint fmt bench-gateway crds deploy-manifests helm-lint images e2e clean
+.PHONY: demo demo-train ablation test lint fmt bench-gateway bench-rollouts crds deploy-manifests helm-lint images e2e clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -41,6 +41,9 @@ fmt: $(STAMP)
 
 bench-gateway: $(STAMP)
 	$(BIN)/python bench/gateway.py
+
+bench-rollouts: $(STAMP)
+	$(BIN)/python bench/rollouts.py
 
 # The CRDs, from the spec models: crds/ and the chart's copy (a test fails when they are stale).
 crds: $(STAMP)

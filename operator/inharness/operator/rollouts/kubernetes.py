@@ -481,6 +481,7 @@ class KubernetesRolloutController(ClaimingController):
         self._kept: list[tuple[float, int, _Tracked]] = []  # the newest failed pods, oldest first
         self._seq = itertools.count()
         self._freed = asyncio.Event()  # an attempt task ended: a slot may be free
+        self._cleanups: set[asyncio.Task[None]] = set()  # batch deletions in flight
         # Gateway calls in flight at most: httpx's connection pool does work in proportion to its
         # waiting requests on every change, so thousands of heartbeats at once would cost O(n^2) there.
         self._gate = asyncio.Semaphore(self.gateway_concurrency)
@@ -531,6 +532,8 @@ class KubernetesRolloutController(ClaimingController):
             for task in helpers:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self._cleanups:
+                await asyncio.wait(list(self._cleanups), timeout=30)
 
     # -- adoption -----------------------------------------------------------------------------------
 
@@ -874,7 +877,9 @@ class KubernetesRolloutController(ClaimingController):
             members.discard(t.attempt.id)
             if not members:
                 del self._batches[t.batch]
-                asyncio.get_running_loop().create_task(self._delete_batch(t.batch))
+                task = asyncio.get_running_loop().create_task(self._delete_batch(t.batch))
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)
 
     async def _delete_batch(self, batch: str) -> None:
         await self._delete(SECRETS, keys_name(self.pool_name, batch))
