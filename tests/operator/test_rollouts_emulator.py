@@ -290,15 +290,37 @@ async def test_an_attempt_becomes_a_pod_with_gateway_env_secret_key_deadline_sec
     assert done.status == "succeeded" and done.reward == 0.5
 
 
-async def test_key_in_path_puts_the_secret_key_into_the_base_url_by_reference(env: Env) -> None:
+async def test_key_in_path_puts_the_secret_key_into_the_base_url_by_reference_and_pool_settings_apply(
+    env: Env,
+) -> None:
     e = env
     await e.rollouts([kubelet_task(hold="path")])
     harness = {
         "model": {"keyIn": "path", "modelNameEnv": None},
         "task": {"env": "INHARNESS_TASK", "fileEnv": None},
     }
-    async with kubelet(e) as k, running(e.controller(harness=harness)):
+    pool = {
+        "kubernetes": {
+            "queueName": "team-a",
+            "pod": {
+                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "1Gi"}},
+                "nodeSelector": {"pool": "harness"},
+                "env": [{"name": "EXTRA", "value": "1"}],
+            },
+        }
+    }
+    async with kubelet(e) as k, running(e.controller(pool=pool, harness=harness)):
         pods = await eventually(lambda: e.pods(), "a pod")
+        pod = next(iter(pods.values()))
+        assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # Kueue's pod integration
+        container = pod["spec"]["containers"][0]
+        assert container["resources"] == {
+            "requests": {"cpu": "500m", "memory": "1Gi"},
+            "limits": {"memory": "1Gi"},
+        }
+        assert pod["spec"]["nodeSelector"] == {"pool": "harness"}
+        assert {"name": "EXTRA", "value": "1"} in container["env"]
+        assert container["securityContext"]["runAsNonRoot"] is True  # overrides never touch it
         ((name, pod),) = pods.items()
         env_list = pod["spec"]["containers"][0]["env"]
         assert env_list[0]["name"] == "INHARNESS_ATTEMPT_KEY" and "secretKeyRef" in env_list[0]["valueFrom"]
