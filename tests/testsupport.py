@@ -1,6 +1,12 @@
-"""Real servers for integration tests: `inharness` subprocesses on 127.0.0.1."""
+"""Real servers for integration tests (`inharness` subprocesses on 127.0.0.1), and bounded polling."""
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from inharness.procs import ServerProcess, free_port
 
@@ -34,3 +40,19 @@ def gateway_server(
     return ServerProcess.inharness(
         args + (extra or []), port=port, log=log_dir / f"gateway-{port}.log", health="/healthz"
     )
+
+
+async def eventually(check: Callable[[], Any], what: str, within: float = 30.0) -> Any:
+    """Poll `check` (sync or async) until it returns something truthy, and return that; fail after
+    `within` seconds naming `what` and the last value."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while time.monotonic() < deadline:
+        result = check()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return result
+        last = result
+        await asyncio.sleep(0.05)
+    pytest.fail(f"not within {within:.0f}s: {what} (last: {last!r})")

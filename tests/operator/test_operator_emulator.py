@@ -12,8 +12,7 @@ import base64
 import os
 import signal
 import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import pytest
 import yaml
 from kmock import Server
 from kube_emulator import EmulatedCluster
+from testsupport import eventually
 
 from inharness.gateway.client import GatewayClient
 from inharness.gateway.schema import ProgressReport
@@ -58,22 +58,6 @@ PLURAL = {
     "RolloutPool": "inharness.dev/v1alpha1/rolloutpools",
     "HarnessSpec": "inharness.dev/v1alpha1/harnessspecs",
 }
-TIMEOUT = 30.0
-
-
-async def eventually(check: Callable[[], Any], what: str, within: float = TIMEOUT) -> Any:
-    """Poll `check` until it returns something truthy (and return that); fail after `within` s."""
-    deadline = time.monotonic() + within
-    last: Any = None
-    while time.monotonic() < deadline:
-        result = check()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return result
-        last = result
-        await asyncio.sleep(0.1)
-    pytest.fail(f"not within {within:.0f}s: {what} (last: {last!r})")
 
 
 @dataclass

@@ -9,8 +9,7 @@ import base64
 import os
 import signal
 import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from conftest import ADMIN
 from fake_kubelet import FakeKubelet, RolloutCluster
 from kmock import Server
 from testsupport import Server as GatewayServer
-from testsupport import gateway_server
+from testsupport import eventually, gateway_server
 
 from inharness.gateway.client import GatewayClient
 from inharness.gateway.schema import RolloutOut
@@ -55,21 +54,6 @@ POOL_UID = "5b4a3c1e-0000-4000-8000-00000000abcd"
 TIMEOUT = 30.0
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "calc" / "trainingrun.yaml"
-
-
-async def eventually(check: Callable[[], Any], what: str, within: float = TIMEOUT) -> Any:
-    """Poll `check` until it returns something truthy (and return that); fail after `within` s."""
-    deadline = time.monotonic() + within
-    last: Any = None
-    while time.monotonic() < deadline:
-        result = check()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return result
-        last = result
-        await asyncio.sleep(0.05)
-    pytest.fail(f"not within {within:.0f}s: {what} (last: {last!r})")
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ one attempt to an `Outcome`. Callers depend on `RolloutBackend` alone.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -96,6 +97,10 @@ class ClaimingController(ABC):
     idle_min_seconds = 0.05
     idle_max_seconds = 0.5
     report_tries = 3
+    # Gateway calls in flight at most (None: no limit). A backend with thousands of attempts sets it:
+    # httpx's connection pool does work in proportion to its waiting requests on every change, so
+    # thousands of heartbeats at once would cost O(n^2) there.
+    gateway_concurrency: int | None = None
 
     def __init__(
         self,
@@ -121,6 +126,10 @@ class ClaimingController(ABC):
         self.unreported = 0
         self.failed_by_reason: Counter[str] = Counter()
         self._active: dict[asyncio.Task[None], Abort] = {}
+        limit = self.gateway_concurrency
+        self._gate: contextlib.AbstractAsyncContextManager[Any] = (
+            asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
+        )
 
     @property
     def running(self) -> int:
@@ -165,7 +174,8 @@ class ClaimingController(ABC):
 
     async def _claim(self) -> ClaimedAttempt | None:
         try:
-            return await self.gateway.claim(self.pool_name, self.lease_seconds)
+            async with self._gate:
+                return await self.gateway.claim(self.pool_name, self.lease_seconds)
         except (GatewayError, httpx.HTTPError) as exc:
             self.log(f"pool {self.pool_name}: claim failed, retrying: {exc}")
             return None
@@ -198,7 +208,8 @@ class ClaimingController(ABC):
         while True:
             await asyncio.sleep(self.heartbeat_seconds)
             try:
-                await self.gateway.heartbeat(attempt.id, self.lease_seconds)
+                async with self._gate:
+                    await self.gateway.heartbeat(attempt.id, self.lease_seconds)
             except GatewayError as exc:
                 if exc.status in (404, 409):
                     self.log(f"attempt {attempt.id}: lease lost, stopping it: {exc.message}")
@@ -213,7 +224,8 @@ class ClaimingController(ABC):
         expired meanwhile: the gateway has already requeued the rollout, so there is nothing to do."""
         for tries in range(1, self.report_tries + 1):
             try:
-                await self.gateway.complete(attempt.id, outcome.status, outcome.reward, outcome.info)
+                async with self._gate:
+                    await self.gateway.complete(attempt.id, outcome.status, outcome.reward, outcome.info)
                 return True
             except GatewayError as exc:
                 if exc.status == 409:

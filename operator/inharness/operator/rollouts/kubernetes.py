@@ -482,9 +482,6 @@ class KubernetesRolloutController(ClaimingController):
         self._seq = itertools.count()
         self._freed = asyncio.Event()  # an attempt task ended: a slot may be free
         self._cleanups: set[asyncio.Task[None]] = set()  # batch deletions in flight
-        # Gateway calls in flight at most: httpx's connection pool does work in proportion to its
-        # waiting requests on every change, so thousands of heartbeats at once would cost O(n^2) there.
-        self._gate = asyncio.Semaphore(self.gateway_concurrency)
         self._resource_version = ""
 
     @property
@@ -589,26 +586,6 @@ class KubernetesRolloutController(ClaimingController):
         self._active[asyncio.create_task(self._attempt_task(t, abort, create=False))] = abort
 
     # -- claiming and starting ----------------------------------------------------------------------
-
-    async def _claim(self) -> ClaimedAttempt | None:
-        async with self._gate:
-            return await super()._claim()
-
-    async def _heartbeats(self, attempt: ClaimedAttempt, abort: Abort) -> None:
-        """The base class's lease renewal, through the gate."""
-        while True:
-            await asyncio.sleep(self.heartbeat_seconds)
-            try:
-                async with self._gate:
-                    await self.gateway.heartbeat(attempt.id, self.lease_seconds)
-            except GatewayError as exc:
-                if exc.status in (404, 409):
-                    self.log(f"attempt {attempt.id}: lease lost, stopping it: {exc.message}")
-                    abort.trigger(f"lease lost: {exc.message}")
-                    return
-                self.log(f"attempt {attempt.id}: heartbeat failed, retrying: {exc}")
-            except httpx.HTTPError as exc:
-                self.log(f"attempt {attempt.id}: heartbeat failed, retrying: {exc!r}")
 
     async def _claim_batch(self, n: int) -> list[ClaimedAttempt]:
         out: list[ClaimedAttempt] = []
