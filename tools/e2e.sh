@@ -3,10 +3,11 @@
 #
 # Creates a kind cluster (deploy/kind/cluster.yaml), builds the inharness and calc-harness images
 # (tag $TAG, default dev) and loads them into it, installs the chart with deploy/kind/values.yaml,
-# applies examples/calc/trainingrun.yaml (its RolloutPool switched to the kubernetes backend, its
-# HarnessSpec to the image just built, $E2E_STEPS steps), waits at most $E2E_TIMEOUT seconds for the
-# TrainingRun's phase Complete and prints its rewardHistory. The cluster is deleted at the end unless
-# E2E_KEEP=1. Without docker (with a daemon that answers) and kind it says so and exits 0.
+# applies examples/calc/trainingrun.yaml (the file `inharness run` takes: its pool has backend
+# kubernetes; only its HarnessSpec's image is set to the one just built and its steps to
+# $E2E_STEPS), waits at most $E2E_TIMEOUT seconds for the TrainingRun's phase Complete and prints
+# its rewardHistory. The cluster is deleted at the end unless E2E_KEEP=1. Without docker (with a
+# daemon that answers) and kind it says so and exits 0.
 set -euo pipefail
 
 SKIP="make e2e needs docker and kind on PATH; skipping"
@@ -71,7 +72,7 @@ kind load docker-image --name "$CLUSTER" "$REGISTRY/inharness:$TAG" "$REGISTRY/c
   --set "children.trainerImage=$REGISTRY/calc-harness:$TAG" \
   --wait --timeout 5m
 
-# The example as a cluster runs it: harness pods instead of local processes, the image built here.
+# The example as it is (its pool has backend kubernetes), with the image built here and fewer steps.
 "$BIN/python" - examples/calc/trainingrun.yaml "$REGISTRY/calc-harness:$TAG" "$STEPS" > "$WORK/run.yaml" <<'PY'
 import sys
 
@@ -82,8 +83,6 @@ docs = [d for d in yaml.safe_load_all(open(path, encoding="utf-8")) if d]
 for doc in docs:
     if doc["kind"] == "HarnessSpec":
         doc["spec"]["image"] = image
-    elif doc["kind"] == "RolloutPool":
-        doc["spec"]["backend"] = "kubernetes"
     elif doc["kind"] == "TrainingRun":
         doc["spec"]["steps"] = steps
 yaml.safe_dump_all(docs, sys.stdout, sort_keys=False)

@@ -1,7 +1,9 @@
 """`inharness run FILE.yaml`: the whole system on one machine, from the same spec a cluster takes.
 
 Starts the engine and the gateway (SQLite store in the output directory) on 127.0.0.1, the local
-rollout controller (one harness subprocess per attempt), and the training loop. Ctrl-C stops
+rollout controller (one harness subprocess per attempt, whatever the RolloutPool's backend: a pool
+with backend kubernetes, as the operator runs it, runs here as local processes and its harness's
+image is not used), and the training loop. Ctrl-C stops
 cleanly: harnesses are killed with their process groups, children are stopped, and everything
 finished is in the store and the last checkpoint; `--resume` continues from there.
 """
@@ -249,16 +251,32 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
     return 0
 
 
+def backend_note(specs: Any) -> str | None:
+    """The line `inharness run` prints for a pool with backend kubernetes: the file is meant for the
+    operator too, and here its harness runs as local processes all the same."""
+    pool = specs.rollout_pool
+    if pool.spec.backend != "kubernetes":
+        return None
+    return (
+        f'RolloutPool "{pool.metadata.name}": backend kubernetes runs as local processes under '
+        f"inharness run (image {specs.harness.spec.image} ignored)"
+    )
+
+
 def run_file(
     file: Path, out: Path | None, *, resume: bool = False, overrides: dict[str, Any] | None = None
 ) -> int:
     from inharness.operator.specfile import SpecError, load_specs
 
     try:
-        name = with_overrides(load_specs(file), overrides or {}).training_run.metadata.name
+        specs = with_overrides(load_specs(file), overrides or {})
     except (SpecError, ValueError) as exc:
         print(f"inharness run: {exc}", file=sys.stderr)
         return 2
+    name = specs.training_run.metadata.name
+    note = backend_note(specs)
+    if note is not None:
+        print(note, flush=True)
     return asyncio.run(
         _train(file, out or Path.cwd() / "runs" / name, resume=resume, overrides=overrides or {})
     )

@@ -104,6 +104,23 @@ def test_calc_harness_image_carries_the_example_and_its_model_in_workspace() -> 
     run = next(d for d in spec if d["kind"] == "TrainingRun")
     assert run["spec"]["model"]["path"] == "model"
     assert (ROOT / "examples" / "calc" / run["spec"]["dataset"]["path"]).is_file()
+    # ... which is where the operator's render points the run's gateway (and the trainer's cwd).
+    from inharness.operator import render
+    from inharness.operator.specfile import load_specs
+
+    specs = load_specs(ROOT / "examples" / "calc" / "trainingrun.yaml", check_files=False)
+    objs = render.render_children(
+        specs.training_run,
+        specs.rollout_pool,
+        specs.harness,
+        settings=render.RenderSettings(gateway_image="g", trainer_image="t"),
+        admin_token="x" * 16,
+    )
+    by_kind = {o["kind"]: o for o in objs}
+    (gateway,) = by_kind["Deployment"]["spec"]["template"]["spec"]["containers"]
+    (trainer,) = by_kind["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+    assert gateway["args"][gateway["args"].index("--model") + 1] == "/workspace/model"
+    assert gateway["workingDir"] == trainer["workingDir"] == "/workspace"
 
 
 def dockerignore_keeps(path: str) -> bool:

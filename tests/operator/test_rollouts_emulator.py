@@ -25,7 +25,7 @@ from testsupport import Server as GatewayServer
 from testsupport import eventually, gateway_server
 
 from inharness.gateway.client import GatewayClient
-from inharness.gateway.schema import RolloutOut
+from inharness.gateway.schema import ClaimedAttempt, RolloutOut
 from inharness.operator.kube import (
     DEPLOYMENTS,
     HARNESSSPECS,
@@ -36,11 +36,14 @@ from inharness.operator.kube import (
     KubeClient,
     NotFound,
 )
+from inharness.operator.pools import PoolManager
 from inharness.operator.rollouts import Outcome
 from inharness.operator.rollouts.kubernetes import (
     Graces,
     KubernetesRolloutController,
+    PodContext,
     classify,
+    harness_pod,
     keys_name,
     pod_name,
     tasks_name,
@@ -640,6 +643,51 @@ class Operator:
             await self.proc.wait()
 
 
+async def test_the_example_as_written_is_planned_into_harness_pods_not_refused_as_backend_local() -> None:
+    """The RolloutPool controller's decision for examples/calc/trainingrun.yaml, unchanged: a
+    controller for the run (once its gateway is available), pods from the HarnessSpec's image; the
+    same pool with backend local is what the operator refuses."""
+
+    class Kube:
+        """The run's gateway Deployment available and its admin token Secret present."""
+
+        async def get(self, resource: Any, name: str, namespace: str) -> dict[str, Any]:
+            assert name == "calc-gateway" and namespace == NS
+            if resource is DEPLOYMENTS:
+                return {
+                    "metadata": {"generation": 1},
+                    "status": {"observedGeneration": 1, "availableReplicas": 1},
+                }
+            assert resource is SECRETS
+            return {"data": {"admin-token": base64.b64encode(ADMIN.encode()).decode()}}
+
+    docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
+    for d in docs:
+        d["metadata"]["namespace"] = NS
+    harness, pool, run = docs
+    manager = PoolManager(
+        Kube(), None, None, gateway_url="http://{name}-gateway.{namespace}.svc:8000", namespaces=[NS]
+    )
+    harnesses = {(NS, harness["metadata"]["name"]): harness}
+    wanted: dict[Any, Any] = {}
+    assert await manager._plan(pool, [run], harnesses, wanted) is None
+    want = wanted[(NS, "calc")]
+    ctx = PodContext(
+        NS, "calc", "calc-pool", None, want.harness, want.spec.kubernetes, "http://calc-gateway:8000"
+    )
+    attempt = ClaimedAttempt(
+        id="a1", rollout_id="r1", group_id="g1", seq=0, task={"q": 1}, token="k", lease_expires_at=0.0
+    )
+    (container,) = harness_pod(ctx, attempt, "b1")["spec"]["containers"]
+    assert container["image"] == "ghcr.io/inharness/calc-harness:0.1.0"
+    # No workingDir: the image's own (/workspace, where the calc-harness image holds harness.py).
+    assert container["command"] == ["python", "harness.py"] and "workingDir" not in container
+
+    pool["spec"]["backend"] = "local"
+    problem = await manager._plan(pool, [run], harnesses, {})
+    assert problem is not None and problem[0] == "BackendLocal"
+
+
 async def test_the_operator_runs_a_kubernetes_pool_reports_counts_and_the_dominant_failure_across_restarts(
     own_gateway: GatewayServer, tmp_path: Path
 ) -> None:
@@ -647,8 +695,8 @@ async def test_the_operator_runs_a_kubernetes_pool_reports_counts_and_the_domina
     for d in docs:
         d["metadata"]["namespace"] = NS
     harness, pool, run = docs
+    assert pool["spec"]["backend"] == "kubernetes"  # the example as `inharness run` takes it, too
     pool["spec"].update(
-        backend="kubernetes",
         parallelism=2,
         maxAttemptsPerRollout=1,
         kubernetes={"ttlSecondsAfterFinished": 0, "keepFailed": 1},

@@ -445,15 +445,40 @@ def test_missing_dataset_file(tmp_path: Path) -> None:
     assert errors_of(f) == [f"{f}: {R}: spec.dataset.path: file not found: {missing}"]
 
 
-def test_missing_working_dir_of_a_local_harness(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["local", "kubernetes"])
+def test_missing_working_dir_of_a_local_harness(tmp_path: Path, backend: str) -> None:
+    # `inharness run` (check_files) runs the harness here whatever the backend; the operator's
+    # uses (check_files=False) leave the path to the container.
     docs = copy.deepcopy([HARNESS, POOL, RUN])
-    docs[0]["spec"]["workingDir"] = "work"
+    docs[0]["spec"].update(workingDir="work", image="example.org/calc:1")
+    docs[1]["spec"]["backend"] = backend
     f = write(tmp_path, docs)
     work = tmp_path.resolve() / "work"
     expected = f'{f}: {H}: spec.workingDir: not a directory: {work} (RolloutPool "calc-pool" runs it locally)'
     assert errors_of(f) == [expected]
+    assert load_specs(f, check_files=False).rollout_pool.spec.backend == backend
     work.mkdir()
     assert load_specs(f).harness.spec.working_dir == "work"
+
+
+def test_a_kubernetes_pool_loads_for_a_local_run_and_still_needs_its_image(tmp_path: Path) -> None:
+    docs = copy.deepcopy([HARNESS, POOL, RUN])
+    docs[0]["spec"]["image"] = "example.org/calc:1"
+    docs[1]["spec"]["backend"] = "kubernetes"
+    specs = load_specs(write(tmp_path, docs))
+    assert (specs.rollout_pool.spec.backend, specs.harness.spec.image) == ("kubernetes", "example.org/calc:1")
+    del docs[0]["spec"]["image"]
+    f = write(tmp_path, docs)
+    image = f'{f}: {H}: spec.image: required, as RolloutPool "calc-pool" runs it with backend kubernetes'
+    assert errors_of(f) == errors_of(f, check_files=False) == [image]
+
+
+def test_the_example_is_one_file_for_inharness_run_and_the_operator() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "calc" / "trainingrun.yaml"
+    local, cluster = load_specs(example), load_specs(example, check_files=False)
+    for specs in (local, cluster):
+        assert specs.rollout_pool.spec.backend == "kubernetes"
+        assert specs.harness.spec.image == "ghcr.io/inharness/calc-harness:0.1.0"
 
 
 def test_bad_jsonl_line_is_named(tmp_path: Path) -> None:

@@ -346,7 +346,11 @@ class RolloutPoolSpec(SpecModel):
         default=2, ge=1, le=20, description="A rollout whose attempts all fail is given up after this many."
     )
     backend: Literal["local", "kubernetes"] = Field(
-        default="local", description="local: child processes of the controller. kubernetes: one pod each."
+        default="local",
+        description="local: only for `inharness run`, which runs each attempt as a local process; the "
+        "operator refuses it (Ready False, BackendLocal). kubernetes: under the operator, one pod per "
+        "attempt from the HarnessSpec's image (required); under `inharness run`, local processes as "
+        "for local, the image unused.",
     )
     lease_seconds: int | None = Field(
         default=None,

@@ -45,8 +45,14 @@ class Specs:
 
 def load_specs(path: str | PathLike[str], *, run: str | None = None, check_files: bool = True) -> Specs:
     """Read, validate and resolve a spec file. `run` picks a TrainingRun by name when the file
-    holds several. `check_files=False` skips the checks that paths exist on this machine (for a
-    spec meant for a cluster, whose paths are inside the containers)."""
+    holds several.
+
+    `check_files=True` (the default, `inharness run`): the harness runs on this machine, as local
+    processes whatever the pool's backend, so the paths it needs must exist here (the dataset file,
+    the harness's workingDir). `check_files=False` (`inharness operator render`, the trainer in a
+    pod): the paths are inside the containers and are not checked. Either way a pool with backend
+    kubernetes must name its harness's image, which the operator needs, so that the same file also
+    runs on a cluster (locally the image is not used)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -298,8 +304,8 @@ def _check_pool_with_harness(
     harness: HarnessSpec,
     check_files: bool = True,
 ) -> list[str]:
-    """Rules that need both documents: the lease against the harness's timeout, and what each
-    backend needs from the harness."""
+    """Rules that need both documents: the lease against the harness's timeout, the image the
+    operator needs for a kubernetes pool, and (`check_files`) what running the harness here needs."""
     errors = []
     p, h = pool.spec, harness.spec
     lease = p.lease_for(h)
@@ -311,7 +317,7 @@ def _check_pool_with_harness(
     pool_name = f'RolloutPool "{pool.metadata.name}"'
     if p.backend == "kubernetes" and h.image is None:
         errors.append(f"{h_where}: spec.image: required, as {pool_name} runs it with backend kubernetes")
-    if check_files and p.backend == "local" and h.working_dir is not None:
+    if check_files and h.working_dir is not None:
         wd = _resolve(base_dir, h.working_dir)
         if not wd.is_dir():
             errors.append(f"{h_where}: spec.workingDir: not a directory: {wd} ({pool_name} runs it locally)")
