@@ -16,12 +16,12 @@ def numbers(text: str) -> list[float]:
 
 
 def grade(task: dict[str, Any], final_answer: str | None) -> float:
-    """1.0 when `final_answer` contains the task's expected answer as a standalone number, else 0.0.
+    """1.0 when the last standalone number of `final_answer` is the task's expected answer, else 0.0.
 
-    Numeric comparison, so "22.0" matches "22"; a missing answer (the agent never stopped calling tools)
-    scores 0.
+    The last number, as GSM8K-style graders read it, so "7+5 = 12" counts but babble that echoes the
+    question's numbers before or after other numbers does not (during RL a policy that drifts into
+    babble would otherwise collect reward by chance). Numeric comparison, so "22.0" matches "22"; a
+    missing answer (the agent never stopped calling tools) scores 0.
     """
-    if not final_answer:
-        return 0.0
-    expected = float(task["answer"])
-    return 1.0 if any(abs(n - expected) < 1e-9 for n in numbers(final_answer)) else 0.0
+    found = numbers(final_answer or "")
+    return 1.0 if found and abs(found[-1] - float(task["answer"])) < 1e-9 else 0.0

@@ -1,8 +1,10 @@
 """Tasks and warm-up traces for the calculator example, and the warm-up setting the RL demo starts from.
 
-The task family and the warm-up budget are calibrated together (see calibrate.py): after the warm-up a
-tiny model knows the format (call the calculator, then say "The answer is N.") but copies digits
-unreliably at temperature 1.0, which leaves RL room to raise the reward within a CPU demo.
+Questions name the operation in words ("What is 7 times 5?"). The supervised warm-up teaches the format
+(call the calculator on the question's numbers, then say "The answer is N.") but its traces pick the
+calculator's operator at random, whatever the word: they teach how to use the tool, not what "plus",
+"minus" and "times" mean. Only the grader's reward says which operator a word asks for, so a rising
+reward is RL learning from the reward alone, not the warm-up replayed. Calibrated with calibrate.py.
 
 `python examples/calc/tasks.py --write` regenerates tasks.jsonl, the demo's training tasks.
 """
@@ -21,16 +23,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 TASKS_FILE = HERE / "tasks.jsonl"
 
-OPS = "+-"
-MAX_OPERAND = 99
+OPERATORS = {"plus": "+", "minus": "-", "times": "*"}
+OPS = tuple(OPERATORS)
+MAX_OPERAND = 9
 TRAIN_TASKS = 256
 TRAIN_SEED = 0
 
 # The warm-up, calibrated with calibrate.py (table in its docstring). Two phases of `sft`, because at random
 # init the ~175-token tools preamble the harness's chat template puts before every question drowns the few
-# digits the model must copy: on full traces copying does not emerge within 900 steps, on the same traces
-# without the preamble it emerges within ~200. Phase 1 trains on those short renderings, phase 2 on the
-# exact harness format. lr 3e-3 (sft's default) never learns to copy at all.
+# digits the model must copy; phase 1 trains on the traces rendered without it, phase 2 on the exact
+# harness format. lr 3e-3 (sft's default) never learns to copy at all.
 WARMUP_CONVERSATIONS = 64
 WARMUP_SHORT_STEPS = 250
 WARMUP_STEPS = 20
@@ -47,41 +49,64 @@ def _harness() -> Any:
     return module
 
 
-def _problem(rng: random.Random, ops: str, max_operand: int) -> tuple[str, str]:
-    """(expression, answer); subtraction keeps a >= b so answers are never negative."""
-    op = rng.choice(ops)
+def _problem(rng: random.Random, ops: tuple[str, ...], max_operand: int) -> tuple[int, str, int]:
+    """(a, operator word, b); "minus" keeps a >= b so answers are never negative."""
+    word = rng.choice(ops)
     a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-    if op == "-" and a < b:
+    if word == "minus" and a < b:
         a, b = b, a
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    return f"{a}{op}{b}", str(value)
+    return a, word, b
 
 
-def make_tasks(n: int, seed: int, *, ops: str = OPS, max_operand: int = MAX_OPERAND) -> list[dict[str, Any]]:
-    """`n` questions like {"question": "What is 17+5?", "answer": "22"}; same (n, seed) -> same tasks."""
+def question(a: int, word: str, b: int) -> str:
+    return f"What is {a} {word} {b}?"
+
+
+def intended_expression(task: dict[str, Any]) -> str:
+    """The calculator expression a task's question asks for: "What is 7 times 5?" -> "7*5"."""
+    a, word, b = task["question"].removeprefix("What is ").removesuffix("?").split()
+    return f"{a}{OPERATORS[word]}{b}"
+
+
+def make_tasks(
+    n: int, seed: int, *, ops: tuple[str, ...] = OPS, max_operand: int = MAX_OPERAND
+) -> list[dict[str, Any]]:
+    """`n` questions like {"question": "What is 7 times 5?", "answer": "35"}; same (n, seed) -> same tasks."""
     rng = random.Random(f"calc-tasks-{seed}")
     tasks = []
     for _ in range(n):
-        expression, answer = _problem(rng, ops, max_operand)
-        tasks.append({"question": f"What is {expression}?", "answer": answer})
+        a, word, b = _problem(rng, ops, max_operand)
+        value = {"plus": a + b, "minus": a - b, "times": a * b}[word]
+        tasks.append({"question": question(a, word, b), "answer": str(value)})
     return tasks
 
 
 def make_warmup_conversations(
-    n: int, seed: int, *, ops: str = OPS, max_operand: int = MAX_OPERAND, tools: bool = True
+    n: int,
+    seed: int,
+    *,
+    ops: tuple[str, ...] = OPS,
+    max_operand: int = MAX_OPERAND,
+    tools: bool = True,
+    random_operator: bool = True,
 ) -> list[dict[str, Any]]:
-    """`n` perfect traces in exactly the chat format the harness produces, for the supervised warm-up.
+    """`n` well-formed traces in exactly the chat format the harness produces, for the supervised warm-up.
 
-    System prompt + question, an assistant turn that only calls the calculator on the question's
-    expression, the tool's result, and the final "The answer is N.". Drawn from their own RNG stream, so
-    they are not the tasks of `make_tasks` with the same seed. `tools=False` leaves out the tool list, so
-    the template renders the same messages without the tools preamble (warm-up phase 1).
+    System prompt + question, an assistant turn that only calls the calculator on the question's two
+    numbers, the tool's result, and the final "The answer is <result>.". With `random_operator` (the
+    demo's setting) the call's operator is drawn uniformly from `ops`, independent of the question's
+    word, so a trace is consistent (its answer is what the tool said) but right only by chance; without
+    it, every trace is right (calibrate.py uses that for the copying ceiling). Drawn from their own RNG
+    stream, so they are not the tasks of `make_tasks` with the same seed. `tools=False` leaves out the
+    tool list, so the template renders the same messages without the tools preamble (warm-up phase 1).
     """
     harness = _harness()
     rng = random.Random(f"calc-warmup-{seed}")
     conversations = []
     for _ in range(n):
-        expression, _answer = _problem(rng, ops, max_operand)
+        a, word, b = _problem(rng, ops, max_operand)
+        symbol = OPERATORS[rng.choice(ops)] if random_operator else OPERATORS[word]
+        expression = f"{a}{symbol}{b}"
         result = harness.calculator(expression)
         call = {
             "id": "call_0",
@@ -93,7 +118,7 @@ def make_warmup_conversations(
                 "tools": [harness.CALC_TOOL] if tools else None,
                 "messages": [
                     {"role": "system", "content": harness.SYSTEM},
-                    {"role": "user", "content": f"What is {expression}?"},
+                    {"role": "user", "content": question(a, word, b)},
                     {"role": "assistant", "content": "", "tool_calls": [call]},
                     {"role": "tool", "tool_call_id": "call_0", "content": result},
                     {"role": "assistant", "content": f"The answer is {result}."},
@@ -113,8 +138,9 @@ def warm_up(
     lr: float = WARMUP_LR,
     batch_size: int = WARMUP_BATCH_SIZE,
     seed: int = 0,
-    ops: str = OPS,
+    ops: tuple[str, ...] = OPS,
     max_operand: int = MAX_OPERAND,
+    random_operator: bool = True,
 ) -> dict[str, Any]:
     """The calibrated two-phase warm-up of `model_dir` into `out_dir`; returns the last phase's sft stats.
 
@@ -123,7 +149,7 @@ def warm_up(
     """
     from inharness.trainer.sft import sft
 
-    family = {"ops": ops, "max_operand": max_operand}
+    family = {"ops": ops, "max_operand": max_operand, "random_operator": random_operator}
     traces = make_warmup_conversations(conversations, seed, **family)
     common = {"lr": lr, "seed": seed, "batch_size": batch_size}
     if not short_steps:

@@ -4,6 +4,7 @@ subprocess against a real engine and gateway, as the RL loop runs it."""
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -48,6 +49,9 @@ grader, tasks, harness = load("grader"), load("tasks"), load("harness")
         ("x22", "22", 0.0),
         ("The answer is 3.", "-3", 0.0),
         ("The answer is five.", "5", 0.0),
+        ("7+5 = 12", "12", 1.0),
+        ("12, or 13", "12", 0.0),
+        ('{"expression": "6-0 {"expression":', "6", 0.0),
         ("", "5", 0.0),
         (None, "5", 0.0),
     ],
@@ -61,9 +65,9 @@ def test_make_tasks_is_deterministic_and_correct() -> None:
     assert a == tasks.make_tasks(50, 3)
     assert a != tasks.make_tasks(50, 4)
     for t in a:
-        expression = t["question"].removeprefix("What is ").removesuffix("?")
-        assert harness.calculator(expression) == t["answer"]
+        assert harness.calculator(tasks.intended_expression(t)) == t["answer"]
         assert int(t["answer"]) >= 0
+    assert {t["question"].split()[3] for t in a} == set(tasks.OPERATORS)
 
 
 def test_tasks_file_matches_generator() -> None:
@@ -80,7 +84,7 @@ def test_warmup_conversations_render_with_the_tiny_chat_template(tiny_model: Pat
         assert conv["tools"] == [harness.CALC_TOOL]
         assert conv["messages"][0] == {"role": "system", "content": harness.SYSTEM}
         ids, labels = build_example(tok, conv)  # raises unless the rendering is prefix-stable
-        expression = conv["messages"][1]["content"].removeprefix("What is ").removesuffix("?")
+        expression = json.loads(conv["messages"][2]["tool_calls"][0]["function"]["arguments"])["expression"]
         trained = tok.decode([t for t in labels if t != IGNORE])
         assert f'"arguments": {{"expression": "{expression}"}}' in trained
         assert f"The answer is {harness.calculator(expression)}." in trained
@@ -95,6 +99,25 @@ def test_warmup_conversations_render_with_the_tiny_chat_template(tiny_model: Pat
         )
         assert len(short_ids) < len(full_ids) - 100
         assert [t for t in short_labels if t != IGNORE] == [t for t in full_labels if t != IGNORE]
+
+
+def test_warmup_traces_copy_the_numbers_but_not_the_meaning_of_the_operator_word() -> None:
+    """The demo's premise: the warm-up teaches the tool format and copying; only the reward says which
+    operator "plus", "minus" and "times" ask for."""
+
+    def parts(conv: dict[str, Any]) -> tuple[dict[str, str], str]:
+        task = {"question": conv["messages"][1]["content"]}
+        call = json.loads(conv["messages"][2]["tool_calls"][0]["function"]["arguments"])["expression"]
+        return task, call
+
+    random_traces = [parts(c) for c in tasks.make_warmup_conversations(300, 0)]
+    for task, call in random_traces:
+        assert re.findall(r"\d+", call) == re.findall(r"\d+", task["question"])
+    right = sum(call == tasks.intended_expression(task) for task, call in random_traces) / len(random_traces)
+    assert 0.2 < right < 0.5  # a third, by chance
+    for conv in tasks.make_warmup_conversations(50, 0, random_operator=False):
+        task, call = parts(conv)
+        assert call == tasks.intended_expression(task)
 
 
 def test_warm_up_runs_both_phases(tiny_model: Path, tmp_path: Path) -> None:
