@@ -72,12 +72,12 @@ def make_tasks(
     n: int, seed: int, *, ops: tuple[str, ...] = OPS, max_operand: int = MAX_OPERAND
 ) -> list[dict[str, Any]]:
     """`n` questions like {"question": "What is 7 times 5?", "answer": "35"}; same (n, seed) -> same tasks."""
+    calculator = _harness().calculator  # the answer is what the right call returns
     rng = random.Random(f"calc-tasks-{seed}")
     tasks = []
     for _ in range(n):
         a, word, b = _problem(rng, ops, max_operand)
-        value = {"plus": a + b, "minus": a - b, "times": a * b}[word]
-        tasks.append({"question": question(a, word, b), "answer": str(value)})
+        tasks.append({"question": question(a, word, b), "answer": calculator(f"{a}{OPERATORS[word]}{b}")})
     return tasks
 
 

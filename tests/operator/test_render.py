@@ -5,6 +5,7 @@ schemas (kubernetes-validate) at the oldest and newest versions the chart claims
 import argparse
 import base64
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -380,7 +381,9 @@ def test_render_command_prints_what_the_operator_renders(specs: Specs) -> None:
 
 def test_render_command_refuses_a_bad_file_with_the_loader_message(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text(EXAMPLE.read_text().replace("batchSize: 4", "batchSize: 0"))
+    text, replaced = re.subn(r"(?m)^  batchSize: \d+$", "  batchSize: 0", EXAMPLE.read_text())
+    assert replaced == 1
+    bad.write_text(text)
     r = subprocess.run(
         [sys.executable, "-m", "inharness.cli", "operator", "render", str(bad)],
         capture_output=True,
