@@ -12,7 +12,14 @@ What it does per new pod, driven by the `kubelet` entry of the pod's task (env I
 - runs for `seconds`, or until the test releases gate `hold`; past the pod's activeDeadlineSeconds
   it fails the pod with DeadlineExceeded, as the kubelet does;
 - the termination message is what the harness wrote to its result file, so it only arrives when
-  the result-file env var names the container's terminationMessagePath (truncated to 4096 bytes).
+  the result-file env var names the container's terminationMessagePath (truncated to 4096 bytes);
+  a result file in an emptyDir the container mounts is kept as that volume's file instead;
+- init containers (how a graded pod runs its harness): the first one plays the script as above,
+  as an init container does (the pod stays Pending, its container waits in PodInitializing); exit
+  0 starts the pod's container, the grader, which plays the script's `grader` entry: `do` succeed
+  (writes `result`), echo (writes what its INHARNESS_HARNESS_RESULT_FILE holds, read through its
+  mounts), exit (`code`, `message`) or oom; a non-zero exit of the harness fails the pod and the
+  grader never starts. activeDeadlineSeconds counts for both together.
 
 It also counts, on every pod watch event, the pods that exist and are not finished (`max_active`,
 `active_over` for a limit): how the tests check parallelism without sampling.
@@ -232,9 +239,10 @@ class FakeKubelet:
         with contextlib.suppress(NotFound):
             await self.kube.patch(PODS, name, {"status": status}, self.namespace, subresource="status")
 
-    async def _resolve(self, pod: Mapping[str, Any]) -> tuple[dict[str, str], str | None]:
+    async def _resolve(
+        self, pod: Mapping[str, Any], container: Mapping[str, Any]
+    ) -> tuple[dict[str, str], str | None]:
         """The container's env as the kubelet would start it, or why it cannot start."""
-        container = pod["spec"]["containers"][0]
         env: dict[str, str] = {}
         for e in container.get("env") or []:
             ref = (e.get("valueFrom") or {}).get("secretKeyRef")
@@ -271,8 +279,10 @@ class FakeKubelet:
     async def _play(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         spec = pod["spec"]
-        container = spec["containers"][0]
-        env, problem = await self._resolve(pod)
+        inits = spec.get("initContainers") or []
+        container = inits[0] if inits else spec["containers"][0]
+        grader = spec["containers"][0] if inits else None
+        env, problem = await self._resolve(pod, container)
         self.env[name] = env
         try:
             script = json.loads(env.get(self.task_env) or "{}").get("kubelet") or {}
@@ -280,6 +290,11 @@ class FakeKubelet:
             script = {}
         do = script.get("do", "succeed")
         cname = container["name"]
+        statuses = "initContainerStatuses" if inits else "containerStatuses"
+        initializing: dict[str, Any] = {}
+        if grader is not None:
+            waiting = {"waiting": {"reason": "PodInitializing"}}
+            initializing = {"containerStatuses": [{"name": grader["name"], "ready": False, "state": waiting}]}
 
         if do == "unschedulable":
             await self._status(
@@ -308,25 +323,27 @@ class FakeKubelet:
                     {
                         "phase": "Pending",
                         "conditions": scheduled,
-                        "containerStatuses": [
+                        statuses: [
                             {
                                 "name": cname,
                                 "ready": False,
                                 "state": {"waiting": {"reason": why, "message": message}},
                             }
                         ],
+                        **initializing,
                     },
                 )
             return
 
+        began = asyncio.get_running_loop().time()
         started = _now()
         await self._status(
             name,
             {
-                "phase": "Running",
+                "phase": "Pending" if inits else "Running",
                 "startTime": started,
                 "conditions": scheduled,
-                "containerStatuses": [
+                statuses: [
                     {
                         "name": cname,
                         **_IMAGE,
@@ -335,10 +352,12 @@ class FakeKubelet:
                         "state": {"running": {"startedAt": started}},
                     }
                 ],
+                **initializing,
             },
         )
         deadline = spec.get("activeDeadlineSeconds")
-        ran = await self._run_for(script, None if deadline is None else float(deadline))
+        deadline = None if deadline is None else float(deadline)
+        ran = await self._run_for(script, deadline)
         if not ran:
             await self._status(
                 name,
@@ -346,7 +365,7 @@ class FakeKubelet:
                     "phase": "Failed",
                     "reason": "DeadlineExceeded",
                     "message": "Pod was active on the node longer than the specified deadline",
-                    "containerStatuses": [self._terminated(cname, started, 137, "Error", "")],
+                    statuses: [self._terminated(cname, started, 137, "Error", "")],
                 },
             )
             return
@@ -361,7 +380,7 @@ class FakeKubelet:
                     "phase": "Failed",
                     "reason": "Evicted",
                     "message": "The node was low on resource: memory.",
-                    "containerStatuses": [self._terminated(cname, started, 137, "Error", "")],
+                    statuses: [self._terminated(cname, started, 137, "Error", "")],
                 },
             )
             return
@@ -370,7 +389,7 @@ class FakeKubelet:
                 name,
                 {
                     "phase": "Failed",
-                    "containerStatuses": [self._terminated(cname, started, 137, "OOMKilled", "")],
+                    statuses: [self._terminated(cname, started, 137, "OOMKilled", "")],
                 },
             )
             return
@@ -378,19 +397,92 @@ class FakeKubelet:
         written = script.get("message")
         if written is None and do == "succeed":
             written = json.dumps(script.get("result", {"reward": 1.0}))
-        # The harness wrote to its result file; the kubelet reads the termination message path.
-        path = container.get("terminationMessagePath", "/dev/termination-log")
-        message = str(written or "") if env.get(self.result_file_env) == path else ""
-        reason = "Completed" if code == 0 else "Error"
+        files: dict[tuple[str, str], str] = {}
+        message = self._write_result(container, env, str(written or ""), files)
+        term = self._terminated(cname, started, code, "Completed" if code == 0 else "Error", message)
+        if grader is None or code != 0:
+            await self._status(
+                name, {"phase": "Succeeded" if code == 0 else "Failed", statuses: [term], **initializing}
+            )
+            return
+        left = None if deadline is None else deadline - (asyncio.get_running_loop().time() - began)
+        await self._grade(pod, grader, term, script.get("grader") or {}, files, left)
+
+    async def _grade(
+        self,
+        pod: dict[str, Any],
+        grader: Mapping[str, Any],
+        harness: dict[str, Any],
+        script: Mapping[str, Any],
+        files: dict[tuple[str, str], str],
+        deadline: float | None,
+    ) -> None:
+        """The pod's container after its init container (the harness) exited 0: the grader."""
+        name, gname = pod["metadata"]["name"], grader["name"]
+        env, _ = await self._resolve(pod, grader)
+        self.env[f"{name}/{gname}"] = env
+        started = _now()
+        running = {"name": gname, **_IMAGE, "ready": True, "restartCount": 0}
+        await self._status(
+            name,
+            {
+                "phase": "Running",
+                "initContainerStatuses": [harness],
+                "containerStatuses": [{**running, "state": {"running": {"startedAt": started}}}],
+            },
+        )
+        if not await self._run_for(script, deadline):
+            term = self._terminated(gname, started, 137, "Error", "")
+            status = {"phase": "Failed", "reason": "DeadlineExceeded", "message": "past the deadline"}
+            await self._status(
+                name, {**status, "initContainerStatuses": [harness], "containerStatuses": [term]}
+            )
+            return
+        do = script.get("do", "succeed")
+        if do == "oom":
+            term = self._terminated(gname, started, 137, "OOMKilled", "")
+            await self._status(
+                name, {"phase": "Failed", "initContainerStatuses": [harness], "containerStatuses": [term]}
+            )
+            return
+        code = int(script.get("code", 1 if do == "exit" else 0))
+        written = script.get("message")
+        if do == "echo":
+            written = self._read_file(grader, env.get("INHARNESS_HARNESS_RESULT_FILE", ""), files)
+        elif written is None and do == "succeed":
+            written = json.dumps(script.get("result", {"reward": 1.0}))
+        message = self._write_result(grader, env, str(written or ""), files)
+        term = self._terminated(gname, started, code, "Completed" if code == 0 else "Error", message)
         await self._status(
             name,
             {
                 "phase": "Succeeded" if code == 0 else "Failed",
-                "containerStatuses": [
-                    self._terminated(cname, started, code, reason, message[:MESSAGE_LIMIT])
-                ],
+                "initContainerStatuses": [harness],
+                "containerStatuses": [term],
             },
         )
+
+    def _write_result(
+        self,
+        container: Mapping[str, Any],
+        env: Mapping[str, str],
+        written: str,
+        files: dict[tuple[str, str], str],
+    ) -> str:
+        """Where what the container wrote to its result file ends up: the termination message (the
+        return value) when the file is the termination message path, else a file of a mounted emptyDir."""
+        target = env.get(self.result_file_env, "")
+        if target == container.get("terminationMessagePath", "/dev/termination-log"):
+            return written[:MESSAGE_LIMIT]
+        where = _in_mount(container, target)
+        if where is not None:
+            files[where] = written
+        return ""
+
+    @staticmethod
+    def _read_file(container: Mapping[str, Any], path: str, files: Mapping[tuple[str, str], str]) -> str:
+        where = _in_mount(container, path)
+        return files.get(where, "") if where is not None else ""
 
     async def _run_for(self, script: Mapping[str, Any], deadline: float | None) -> bool:
         """Let the "harness" run; False when the pod's active deadline passed first."""
@@ -415,3 +507,12 @@ class FakeKubelet:
         if message:
             term["message"] = message
         return {"name": name, **_IMAGE, "ready": False, "restartCount": 0, "state": {"terminated": term}}
+
+
+def _in_mount(container: Mapping[str, Any], path: str) -> tuple[str, str] | None:
+    """(volume, path inside it) of a file path under one of the container's volume mounts."""
+    for mount in container.get("volumeMounts") or []:
+        root = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(root):
+            return mount["name"], path.removeprefix(root)
+    return None

@@ -46,6 +46,7 @@ from inharness.operator.rollouts.kubernetes import (
     harness_pod,
     keys_name,
     pod_name,
+    pool_backend_problem,
     tasks_name,
 )
 from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
@@ -410,6 +411,139 @@ async def test_the_newest_failed_pods_are_kept_and_the_rest_deleted_after_the_tt
         assert set(e.objects("secrets")) == {keys_name(e.pool, a) for a, c in codes.items() if c in (3, 4)}
 
 
+GRADED = {
+    "timeoutSeconds": 45,
+    "outcome": {"type": "grader", "grader": {"command": ["python", "grade.py"], "timeoutSeconds": 15}},
+}
+
+
+async def test_a_graded_pod_runs_the_harness_as_its_init_container_and_completes_with_the_graders_reward(
+    env: Env,
+) -> None:
+    e = env
+    made = await e.rollouts(
+        [
+            # the grader hands on what the harness wrote to its result file (through the emptyDir)
+            kubelet_task(hold="graded", result={"reward": 0.25, "steps": 3}, grader={"do": "echo"}),
+            kubelet_task(
+                hold="graded",
+                result={"reward": 0.0},
+                grader={"result": {"reward": 0.75, "why": "tests pass"}},
+            ),
+        ]
+    )
+    async with kubelet(e) as k, running(e.controller(harness=GRADED)):
+        pods = await eventually(lambda: len(e.pods()) == 2 and e.pods(), "two pods, both held")
+        held = next(
+            p for p in pods.values() if p["metadata"]["labels"]["inharness.dev/rollout"] == made[0].id
+        )
+        spec = held["spec"]
+        kubernetes_validate.validate({k: v for k, v in held.items() if k != "status"}, "1.29", strict=True)
+        assert spec["activeDeadlineSeconds"] == 45 + 15  # one deadline for the whole pod
+        (harness,) = spec["initContainers"]
+        (grader,) = spec["containers"]
+        assert (harness["name"], harness["image"], harness["command"]) == (
+            "harness",
+            "ghcr.io/inharness/calc-harness:0.1.0",
+            ["python", "harness.py"],
+        )
+        assert (grader["name"], grader["image"], grader["command"]) == (
+            "grader",
+            "ghcr.io/inharness/calc-harness:0.1.0",
+            ["python", "grade.py"],
+        )
+        for c in (harness, grader):
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["terminationMessagePath"] == "/dev/termination-log"
+        h_env = {v["name"]: v for v in harness["env"]}
+        g_env = {v["name"]: v for v in grader["env"]}
+        assert h_env["INHARNESS_RESULT_FILE"]["value"] == "/var/run/inharness/harness/result.json"
+        assert "OPENAI_API_KEY" in h_env and "INHARNESS_ATTEMPT_KEY" in h_env
+        # The grader gets no model endpoint and no key: none of its calls could pass as the policy's.
+        assert not {"OPENAI_API_KEY", "OPENAI_BASE_URL", "INHARNESS_ATTEMPT_KEY"} & set(g_env)
+        assert "secretKeyRef" not in yaml.safe_dump(grader)
+        assert g_env["INHARNESS_RESULT_FILE"]["value"] == "/dev/termination-log"
+        assert g_env["INHARNESS_HARNESS_RESULT_FILE"]["value"] == "/var/run/inharness/harness/result.json"
+        assert g_env["INHARNESS_EXIT_CODE"]["value"] == "0" and "INHARNESS_OUTPUT_FILE" not in g_env
+        assert g_env["INHARNESS_TASK"] == h_env["INHARNESS_TASK"]
+        assert g_env["INHARNESS_TASK_FILE"] == h_env["INHARNESS_TASK_FILE"]
+        assert g_env["INHARNESS_ATTEMPT_ID"] == h_env["INHARNESS_ATTEMPT_ID"]
+        shared = {"name": "harness-out", "mountPath": "/var/run/inharness/harness"}
+        assert shared in harness["volumeMounts"] and {**shared, "readOnly": True} in grader["volumeMounts"]
+        assert {"name": "harness-out", "emptyDir": {}} in spec["volumes"]
+        task_mount = {"name": "task", "mountPath": "/etc/inharness/task", "readOnly": True}
+        assert task_mount in harness["volumeMounts"] and task_mount in grader["volumeMounts"]
+        k.release("graded")
+        done = await e.settled([r.id for r in made])
+    assert [(r.status, r.reward) for r in done] == [("succeeded", 0.25), ("succeeded", 0.75)]
+    assert done[0].attempts[0].info["result"] == {"steps": 3}
+    assert done[1].attempts[0].info["result"] == {"why": "tests pass"}
+    assert {r.attempts[0].info["exit_code"] for r in done} == {0}
+    assert {r.attempts[0].info["grader_exit_code"] for r in done} == {0}
+
+
+GRADED_FAILURES = [
+    (
+        "harness-exit",
+        {"do": "exit", "code": 3},
+        "NonZeroExit: the harness exited with code 3; the grader did not run",
+    ),
+    ("harness-oom", {"do": "oom"}, "OOMKilled: the harness exceeded its memory limit"),
+    (
+        "grader-exit",
+        {"grader": {"do": "exit", "code": 2, "message": "cannot grade"}},
+        "GraderFailed: the grader exited with code 2",
+    ),
+    ("grader-oom", {"grader": {"do": "oom"}}, "OOMKilled: the grader exceeded its memory limit"),
+    (
+        "grader-no-result",
+        {"grader": {"do": "exit", "code": 0}},
+        "BadResult: no grader result in the termination message",
+    ),
+    (
+        "grader-bad-result",
+        {"grader": {"message": '{"score": 1}'}},
+        "BadResult: grader result has no numeric 'reward'",
+    ),
+    (
+        "harness-deadline",
+        {"seconds": 30},
+        "DeadlineExceeded: the harness ran past activeDeadlineSeconds (2s, the harness's timeoutSeconds "
+        "and the grader's",
+    ),
+    (
+        "grader-deadline",
+        {"grader": {"seconds": 30}},
+        "DeadlineExceeded: the grader ran past activeDeadlineSeconds (2s",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "script", "reason"), GRADED_FAILURES, ids=[f[0] for f in GRADED_FAILURES])
+async def test_a_graded_pod_fails_with_a_reason_naming_the_harness_or_the_grader_and_requeues(
+    env: Env, case: str, script: dict[str, Any], reason: str
+) -> None:
+    e = env
+    (made,) = await e.rollouts([kubelet_task(**script)], max_attempts=2)
+    deadline = case.endswith("-deadline")
+    graded = {
+        "timeoutSeconds": 1 if deadline else 30,
+        "outcome": {
+            "type": "grader",
+            "grader": {"command": ["python", "grade.py"], "timeoutSeconds": 1 if deadline else 30},
+        },
+    }
+    async with kubelet(e), running(e.controller(harness=graded)):
+        (done,) = await e.settled([made.id])
+        await eventually(lambda: not e.pods(), "the failed pods are gone")
+    assert done.status == "failed" and len(done.attempts) == 2, done
+    for a in done.attempts:
+        assert a.failure_reason is not None and a.failure_reason.startswith(reason), a
+    if case == "grader-exit":
+        assert done.attempts[0].info["message"] == "cannot grade"
+        assert done.attempts[0].info["grader_exit_code"] == 2
+
+
 # --- leases, parallelism, restarts --------------------------------------------------------------------
 
 
@@ -567,6 +701,15 @@ def test_waiting_problems_fail_only_after_their_grace_counted_from_first_sight()
     assert outcome is not None and outcome.reason == "Unschedulable: no"
     outcome, _ = at(waiting_pod("InvalidImageName"), 0.0)
     assert outcome is not None and outcome.reason == "InvalidImageName: m"  # no grace: it never heals
+
+
+def test_a_grader_outcome_is_no_longer_a_problem_for_the_kubernetes_backend() -> None:
+    graded = HarnessSpecSpec.model_validate({"image": "h:1", "command": ["h"], **GRADED})
+    assert pool_backend_problem(graded) is None
+    assert pool_backend_problem(HarnessSpecSpec.model_validate({"command": ["h"]})) == (
+        "HarnessImageMissing",
+        "the HarnessSpec has no image; pods need one",
+    )
 
 
 def test_a_pod_killed_by_its_deletion_or_an_eviction_is_not_a_harness_failure() -> None:

@@ -20,7 +20,7 @@ gateway's queued rollouts), running (attempts in flight), succeeded and failed (
 controllers reported; kept across operator restarts by starting from the previous status); and
 the conditions Ready (a controller runs, else why not: NoTrainingRun, GatewayNotReady,
 HarnessSpecNotFound, InvalidHarnessSpec, InvalidRolloutPool, HarnessImageMissing,
-UnsupportedOutcome, BackendLocal) and Degraded (True, with the failure's reason, when most of the
+BackendLocal) and Degraded (True, with the failure's reason, when most of the
 last attempts failed for the same cause: OOMKilled, ImagePullBackOff, Unschedulable, ...). A
 Degraded turning True or changing reason is a Warning Event on the pool.
 """

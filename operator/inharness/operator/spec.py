@@ -174,10 +174,16 @@ class Grader(SpecModel):
         description="Grader command and arguments, run after the harness exits. It sees the task (same "
         "env/file convention as the harness), the harness's exit code in INHARNESS_EXIT_CODE, its stdout "
         "in the file at INHARNESS_OUTPUT_FILE, the harness's result file (if it wrote one) at "
-        "INHARNESS_HARNESS_RESULT_FILE, and writes its own result JSON to the file named by resultFileEnv.",
+        "INHARNESS_HARNESS_RESULT_FILE, and writes its own result JSON to the file named by resultFileEnv. "
+        "On the kubernetes backend it is the pod's container, in the harness's image, after the harness "
+        "(an init container) exited 0; there INHARNESS_OUTPUT_FILE is not set (see docs/rollouts.md).",
     )
     timeout_seconds: int = Field(
-        default=300, ge=1, le=86_400, description="The grader is killed and the attempt fails after this."
+        default=300,
+        ge=1,
+        le=86_400,
+        description="The grader is killed and the attempt fails after this. On the kubernetes backend "
+        "the pod's activeDeadlineSeconds is the harness's timeoutSeconds plus this, for both together.",
     )
 
 

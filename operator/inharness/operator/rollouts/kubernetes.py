@@ -23,7 +23,10 @@ gone. So the objects per attempt are one pod plus 2/`max_batch` (4 API writes pe
 The outcome is the harness container's terminated state: exit code, OOMKilled, the pod's
 DeadlineExceeded or Evicted, and the termination message (terminationMessagePath
 /dev/termination-log, policy File: logs are not a result), which holds the result JSON the harness
-wrote to its result file, read with the local backend's rules. Failures that leave a pod waiting
+wrote to its result file, read with the local backend's rules. With `outcome.type: grader` the harness
+runs as the pod's init container and the grader as its container (same image, a shared emptyDir
+for the harness's result file, the grader's result JSON as its termination message), so neither
+command is wrapped; `harness_pod` says what the grader sees. Failures that leave a pod waiting
 (image pull errors, Unschedulable) fail the attempt after a grace and the pod is deleted. Each
 failure reason starts with a CamelCase key (`OOMKilled: ...`) that the pool's status aggregates.
 
@@ -67,10 +70,14 @@ _log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 CONTAINER = "harness"
+GRADER = "grader"
 KEY_ENV = "INHARNESS_ATTEMPT_KEY"
 TASK_DIR = "/etc/inharness/task"
 TASK_FILE = "task.json"
 TERMINATION_LOG = "/dev/termination-log"
+HANDOFF_VOLUME = "harness-out"
+HANDOFF_DIR = "/var/run/inharness/harness"  # emptyDir: the harness writes, the grader reads
+HARNESS_RESULT = f"{HANDOFF_DIR}/result.json"
 LABEL_RUN = "inharness.dev/training-run"
 LABEL_POOL = "inharness.dev/rollout-pool"
 LABEL_ROLLOUT = "inharness.dev/rollout"
@@ -169,11 +176,34 @@ def batch_objects(ctx: PodContext, batch: str, attempts: list[ClaimedAttempt]) -
     return out
 
 
+def pod_deadline(harness: HarnessSpecSpec) -> int:
+    """activeDeadlineSeconds of an attempt's pod: it covers every container, so with a grader it is
+    the harness's timeout and the grader's together."""
+    grader = harness.outcome.grader
+    return harness.timeout_seconds + (grader.timeout_seconds if grader is not None else 0)
+
+
+def _task_env(ctx: PodContext, attempt: ClaimedAttempt) -> dict[str, Obj]:
+    t = ctx.harness.task
+    out: dict[str, Obj] = {}
+    if t.env is not None:
+        out[t.env] = {"value": json.dumps(attempt.task)}
+    if t.file_env is not None:
+        out[t.file_env] = {"value": f"{TASK_DIR}/{TASK_FILE}"}
+    return out
+
+
 def harness_pod(ctx: PodContext, attempt: ClaimedAttempt, batch: str) -> Obj:
     """The Pod of one attempt: the user's image, command and args unchanged; the model endpoint, key,
-    task and result path in the environment variables the HarnessSpec names."""
+    task and result path in the environment variables the HarnessSpec names.
+
+    With `outcome.type: grader` the harness is the pod's init container and the grader its one
+    container, in the same image: the kubelet starts the grader only once the harness exited 0, no
+    wrapper around the user's command is needed, and the grader's result is the pod's termination
+    message. The harness's result file is in an emptyDir that the grader mounts read-only."""
     h = ctx.harness
     m = h.model
+    graded = h.outcome.type == "grader"
     key_ref = {"secretKeyRef": {"name": keys_name(ctx.pool, batch), "key": attempt.id}}
     ours: dict[str, Obj] = {}
     if m.key_in == "header":
@@ -184,12 +214,9 @@ def harness_pod(ctx: PodContext, attempt: ClaimedAttempt, batch: str) -> Obj:
         ours[m.api_key_env] = {"value": KEY_PLACEHOLDER}
     if m.model_name_env is not None:
         ours[m.model_name_env] = {"value": m.model_name}
-    if h.task.env is not None:
-        ours[h.task.env] = {"value": json.dumps(attempt.task)}
-    if h.task.file_env is not None:
-        ours[h.task.file_env] = {"value": f"{TASK_DIR}/{TASK_FILE}"}
+    ours.update(_task_env(ctx, attempt))
     if h.outcome.type != "exitCode":
-        ours[h.outcome.result_file_env] = {"value": TERMINATION_LOG}
+        ours[h.outcome.result_file_env] = {"value": HARNESS_RESULT if graded else TERMINATION_LOG}
     ours["INHARNESS_ATTEMPT_ID"] = {"value": attempt.id}
     ours["INHARNESS_ROLLOUT_ID"] = {"value": attempt.rollout_id}
     # The key comes first: $(INHARNESS_ATTEMPT_KEY) only expands in variables defined after it.
@@ -209,8 +236,9 @@ def harness_pod(ctx: PodContext, attempt: ClaimedAttempt, batch: str) -> Obj:
     if h.working_dir is not None:
         container["workingDir"] = render._resolve(h.working_dir)
     volumes: list[Obj] = []
+    mounts: list[Obj] = []
     if ctx.task_as_file:
-        container["volumeMounts"] = [{"name": "task", "mountPath": TASK_DIR, "readOnly": True}]
+        mounts.append({"name": "task", "mountPath": TASK_DIR, "readOnly": True})
         volumes.append(
             {
                 "name": "task",
@@ -220,13 +248,24 @@ def harness_pod(ctx: PodContext, attempt: ClaimedAttempt, batch: str) -> Obj:
                 },
             }
         )
+    if graded:
+        volumes.append({"name": HANDOFF_VOLUME, "emptyDir": {}})
+        container["volumeMounts"] = [*mounts, {"name": HANDOFF_VOLUME, "mountPath": HANDOFF_DIR}]
+    elif mounts:
+        container["volumeMounts"] = mounts
+    overrides = render._overrides_of(ctx.settings.pod)
     spec = render._pod_spec(
         container,
         volumes,
-        render._overrides_of(ctx.settings.pod),
+        overrides,
         restartPolicy="Never",
-        activeDeadlineSeconds=h.timeout_seconds,
+        activeDeadlineSeconds=pod_deadline(h),
     )
+    if graded:
+        grader = _grader_container(ctx, attempt, mounts)
+        render._apply_overrides({}, grader, overrides)  # container-level overrides only: pod ones are set
+        grader["securityContext"] = dict(render._CONTAINER_SECURITY)
+        spec["initContainers"], spec["containers"] = spec["containers"], [grader]
     labels = {LABEL_ROLLOUT: attempt.rollout_id, LABEL_ATTEMPT: attempt.id}
     return {
         "apiVersion": "v1",
@@ -236,10 +275,44 @@ def harness_pod(ctx: PodContext, attempt: ClaimedAttempt, batch: str) -> Obj:
     }
 
 
+def _grader_container(ctx: PodContext, attempt: ClaimedAttempt, mounts: list[Obj]) -> Obj:
+    """The grader, with the env contract of the local backend's grader (rollouts/local.py) except
+    where a pod cannot give it: no model endpoint and no key (none of its calls may be recorded as
+    the policy's), the task from the spec (the harness cannot have changed it), INHARNESS_EXIT_CODE
+    always 0 (it only runs after exit 0), INHARNESS_HARNESS_RESULT_FILE always set (the file may be
+    missing) and no INHARNESS_OUTPUT_FILE: the harness's stdout is its container log, which no
+    container can read without a shell wrapper around the user's command or API access."""
+    h = ctx.harness
+    assert h.outcome.grader is not None
+    ours: dict[str, Obj] = {
+        **_task_env(ctx, attempt),
+        "INHARNESS_ATTEMPT_ID": {"value": attempt.id},
+        "INHARNESS_ROLLOUT_ID": {"value": attempt.rollout_id},
+        "INHARNESS_EXIT_CODE": {"value": "0"},
+        "INHARNESS_HARNESS_RESULT_FILE": {"value": HARNESS_RESULT},
+        h.outcome.result_file_env: {"value": TERMINATION_LOG},
+    }
+    env = [{"name": e.name, "value": e.value} for e in h.env if e.name not in ours]
+    env += [{"name": name, **value} for name, value in ours.items()]
+    container: Obj = {
+        "name": GRADER,
+        "image": h.image,
+        "command": list(h.outcome.grader.command),
+        "env": env,
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "File",
+        "volumeMounts": [*mounts, {"name": HANDOFF_VOLUME, "mountPath": HANDOFF_DIR, "readOnly": True}],
+    }
+    if h.working_dir is not None:
+        container["workingDir"] = render._resolve(h.working_dir)
+    return container
+
+
 def batch_of(pool: str, pod: Mapping[str, Any]) -> str | None:
     """The batch a live pod belongs to: the Secret its key comes from names it."""
     prefix = f"{pool}-"
-    for c in (pod.get("spec") or {}).get("containers") or []:
+    spec = pod.get("spec") or {}
+    for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
         for e in c.get("env") or []:
             name = str(((e.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name") or "")
             if e.get("name") == KEY_ENV and name.startswith(prefix) and name.endswith("-keys"):
@@ -256,9 +329,11 @@ class Graces:
     unschedulable_seconds: float
 
 
-def _container(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        if cs.get("name") == CONTAINER:
+def _container(pod: Mapping[str, Any], name: str = CONTAINER) -> Mapping[str, Any]:
+    """The status of container `name`, a regular or an init container (the harness of a graded pod)."""
+    status = pod.get("status") or {}
+    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        if cs.get("name") == name:
             return cs
     return {}
 
@@ -288,9 +363,12 @@ def is_terminal(pod: Mapping[str, Any]) -> bool:
 
 
 def finished_at(pod: Mapping[str, Any]) -> float | None:
-    """Wall time the harness container ended, when the pod says."""
-    term = (_container(pod).get("state") or {}).get("terminated") or {}
-    return _time(term.get("finishedAt"))
+    """Wall time the pod's last container (the harness, or its grader) ended, when the pod says."""
+    ends = [
+        _time(((_container(pod, name).get("state") or {}).get("terminated") or {}).get("finishedAt"))
+        for name in (CONTAINER, GRADER)
+    ]
+    return max((e for e in ends if e is not None), default=None)
 
 
 def classify(
@@ -305,25 +383,45 @@ def classify(
 ) -> tuple[Outcome | None, float | None]:
     """(the attempt's outcome, or None while it runs; when to look again though nothing changes).
 
-    `first_seen` remembers (monotonic `now`) when a waiting problem was first seen, for its grace.
+    `timeout_seconds` is the pod's activeDeadlineSeconds; `first_seen` remembers (monotonic `now`)
+    when a waiting problem was first seen, for its grace. A graded pod is read step by step: the
+    harness (its init container) until it exited 0, then the grader (its container).
     """
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     phase, pod_reason = status.get("phase"), status.get("reason")
-    cs = _container(pod)
+    graded = outcome_type == "grader"
+    harness_term = (_container(pod).get("state") or {}).get("terminated")
+    grading = (
+        graded
+        and harness_term is not None
+        and harness_term.get("exitCode") == 0
+        and harness_term.get("reason") != "OOMKilled"
+    )
+    step = GRADER if grading else CONTAINER
+    cs = _container(pod, step)
     state = cs.get("state") or {}
     term = state.get("terminated")
     info: dict[str, Any] = {"pod": meta.get("name")}
     if (pod.get("spec") or {}).get("nodeName"):
         info["node"] = pod["spec"]["nodeName"]
-    if term is not None:
-        info["exit_code"] = term.get("exitCode")
-        started, ended = _time(term.get("startedAt")), _time(term.get("finishedAt"))
-        if started is not None and ended is not None:
-            info["pod_seconds"] = round(max(0.0, ended - started), 3)
+    if harness_term is not None:
+        info["exit_code"] = harness_term.get("exitCode")
+    if grading and term is not None:
+        info["grader_exit_code"] = term.get("exitCode")
+    first = _time((harness_term or term or {}).get("startedAt"))
+    last = _time((term or {}).get("finishedAt"))
+    if first is not None and last is not None:
+        info["pod_seconds"] = round(max(0.0, last - first), 3)
+    who = f"the {step} " if graded else ""
 
     if phase == "Failed" and pod_reason == "DeadlineExceeded":
+        limit = (
+            f"{timeout_seconds}s, the harness's timeoutSeconds and the grader's"
+            if graded
+            else f"{timeout_seconds}s"
+        )
         return Outcome.failure(
-            f"DeadlineExceeded: ran past activeDeadlineSeconds ({timeout_seconds}s)", **info
+            f"DeadlineExceeded: {who}ran past activeDeadlineSeconds ({limit})", **info
         ), None
     if phase == "Failed" and pod_reason == "Evicted":
         return Outcome.failure(f"Evicted: {_tail(status.get('message'))}", **info), None
@@ -334,22 +432,29 @@ def classify(
         message = str(term.get("message") or "")
         if term.get("reason") == "OOMKilled":
             return Outcome.failure(
-                f"OOMKilled: the harness exceeded its memory limit (exit code {code})", **info
+                f"OOMKilled: the {step} exceeded its memory limit (exit code {code})", **info
             ), None
         if code != 0 and deleted:
             return _deleted(disruption, info), None
         if outcome_type == "exitCode":
             return Outcome.success(1.0 if code == 0 else 0.0, **info), None
-        if code != 0:
+        if code != 0 and step == GRADER:
             return Outcome.failure(
-                f"NonZeroExit: exited with code {code}", **info, message=_tail(message)
+                f"GraderFailed: the grader exited with code {code}", **info, message=_tail(message)
+            ), None
+        if code != 0:
+            detail = "; the grader did not run" if graded else ""
+            return Outcome.failure(
+                f"NonZeroExit: {who}exited with code {code}{detail}", **info, message=_tail(message)
             ), None
         if not message.strip():
             return Outcome.failure(
-                f"BadResult: no result in the termination message ({TERMINATION_LOG})", **info
+                f"BadResult: no {'grader ' if graded else ''}result in the termination message "
+                f"({TERMINATION_LOG})",
+                **info,
             ), None
         try:
-            reward, rest = parse_result(message.encode())
+            reward, rest = parse_result(message.encode(), "grader " if graded else "")
         except ValueError as exc:
             return Outcome.failure(f"BadResult: {exc}", **info, message=_tail(message)), None
         return Outcome.success(reward, **info, **({"result": rest} if rest else {})), None
@@ -719,7 +824,7 @@ class KubernetesRolloutController(ClaimingController):
                     t.pod or {},
                     gone=t.gone,
                     outcome_type=self.ctx.harness.outcome.type,
-                    timeout_seconds=self.ctx.harness.timeout_seconds,
+                    timeout_seconds=pod_deadline(self.ctx.harness),
                     graces=self.graces,
                     first_seen=t.first_seen,
                     now=time.monotonic(),
@@ -960,9 +1065,4 @@ def pool_backend_problem(harness: HarnessSpecSpec) -> tuple[str, str] | None:
     """Why a HarnessSpec cannot run on the kubernetes backend, as (reason, message); None: it can."""
     if harness.image is None:
         return "HarnessImageMissing", "the HarnessSpec has no image; pods need one"
-    if harness.outcome.type == "grader":
-        return (
-            "UnsupportedOutcome",
-            "the kubernetes backend has no grader step: use outcome resultFile or exitCode",
-        )
     return None
