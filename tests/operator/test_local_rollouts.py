@@ -274,6 +274,44 @@ async def test_grader_and_exit_code_outcomes(gateway: Server, tmp_path: Path) ->
     ]
 
 
+async def test_a_posted_reward_stands_in_only_for_a_missing_one_and_the_result_file_wins(
+    gateway: Server, tmp_path: Path
+) -> None:
+    header = harness_spec(uuid.uuid4().hex, tmp_path)
+    in_path = harness_spec(uuid.uuid4().hex, tmp_path, model={"keyIn": "path"})
+    tasks: list[dict[str, Any]] = [
+        {"run": "post_reward", "post": [0.25]},  # no result file: the posted reward
+        {"run": "post_reward", "post": [0.25], "write": {"reward": 0.75}},  # the result file wins
+        {"run": "post_reward", "post": [0.25], "write": {"steps": 3}},  # a result without a reward
+        {"run": "post_reward", "post": [0.1, 0.5]},  # the latest post
+        {"run": "post_reward", "post": [1.0], "exit": 3},  # a failed harness stays failed
+        {"run": "post_reward"},  # nothing posted, no result file
+    ]
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        created = await client.create_rollouts(tasks, pool="posted", max_attempts=1)
+        by_path = await client.create_rollouts([tasks[0]], pool="posted-path", max_attempts=1)
+        ctrl, _, _ = controller(gateway, client, "posted", {"parallelism": 3}, header, tmp_path)
+        p_ctrl, _, _ = controller(gateway, client, "posted-path", {}, in_path, tmp_path)
+        outs, (path_out,) = await asyncio.gather(
+            run_batch(ctrl, client, [r.id for r in created]), run_batch(p_ctrl, client, [by_path[0].id])
+        )
+    only, wins, no_reward, latest, crashed, nothing = outs
+    assert [(o.status, o.reward) for o in (only, wins, no_reward, latest, path_out)] == [
+        ("succeeded", 0.25),
+        ("succeeded", 0.75),
+        ("succeeded", 0.25),
+        ("succeeded", 0.5),
+        ("succeeded", 0.25),
+    ]
+    info = only.attempts[0].info
+    assert info["reward_source"] == "posted" and info["posted"] == {"note": "posted"}
+    assert "reward_source" not in wins.attempts[0].info
+    assert no_reward.attempts[0].info["result"] == {"steps": 3}
+    assert crashed.status == "failed" and crashed.attempts[0].failure_reason == "exited with code 3"
+    assert nothing.status == "failed" and nothing.attempts[0].failure_reason == "result file missing"
+    assert "_reward_missing" not in nothing.attempts[0].info
+
+
 async def test_unstartable_harness_fails_with_the_os_error(gateway: Server, tmp_path: Path) -> None:
     harness = harness_spec(uuid.uuid4().hex, tmp_path, command=[str(tmp_path / "no-such-harness")])
     async with GatewayClient(gateway.url, ADMIN) as client:

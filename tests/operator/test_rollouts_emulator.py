@@ -544,6 +544,64 @@ async def test_a_graded_pod_fails_with_a_reason_naming_the_harness_or_the_grader
         assert done.attempts[0].info["grader_exit_code"] == 2
 
 
+async def post_as_harness(e: Env, k: FakeKubelet, rollout_id: str, body: dict[str, Any]) -> None:
+    """What a harness in the pod would do: post its reward to the gateway with the key it was given."""
+
+    def pod_env() -> dict[str, str] | None:
+        for name, pod in e.pods().items():
+            if pod["metadata"]["labels"]["inharness.dev/rollout"] == rollout_id:
+                return k.env.get(name)
+        return None
+
+    key = (await eventually(pod_env, f"the pod of {rollout_id} runs"))["OPENAI_API_KEY"]
+    async with httpx.AsyncClient() as h:
+        r = await h.post(
+            f"{e.gateway_url}/v1/inharness/reward", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+    assert r.status_code == 200, r.text
+
+
+async def test_a_reward_posted_by_the_harness_completes_a_pod_without_one_and_the_result_file_wins(
+    env: Env,
+) -> None:
+    e = env
+    scripts: list[dict[str, Any]] = [
+        {"do": "exit", "code": 0},  # no termination message: the posted reward
+        {"result": {"reward": 0.9}},  # the result file wins
+        {"message": '{"steps": 4}'},  # a result without a reward: the posted one, the steps kept
+        {"do": "exit", "code": 3},  # a failed harness stays failed
+    ]
+    made = await e.rollouts([kubelet_task(hold=f"p{i}", **s) for i, s in enumerate(scripts)])
+    async with kubelet(e) as k, running(e.controller()):
+        for i, rollout in enumerate(made):
+            await post_as_harness(e, k, rollout.id, {"reward": 0.25 + i / 100, "by": "harness"})
+            k.release(f"p{i}")
+        done = await e.settled([r.id for r in made])
+    assert [(r.status, r.reward) for r in done] == [
+        ("succeeded", 0.25),
+        ("succeeded", 0.9),
+        ("succeeded", 0.27),
+        ("failed", None),
+    ]
+    first = done[0].attempts[0].info
+    assert first["reward_source"] == "posted" and first["posted"] == {"by": "harness"}
+    assert "reward_source" not in done[1].attempts[0].info
+    assert done[2].attempts[0].info["result"] == {"steps": 4}
+    assert (done[3].attempts[0].failure_reason or "").startswith("NonZeroExit: exited with code 3")
+    assert all("_reward_missing" not in r.attempts[0].info for r in done)
+
+
+async def test_a_reward_posted_by_the_harness_never_stands_in_for_a_missing_grade(env: Env) -> None:
+    e = env
+    (made,) = await e.rollouts([kubelet_task(hold="graded-post", grader={"do": "exit", "code": 0})])
+    async with kubelet(e) as k, running(e.controller(harness=GRADED)):
+        await post_as_harness(e, k, made.id, {"reward": 1.0})
+        k.release("graded-post")
+        (done,) = await e.settled([made.id])
+    assert done.status == "failed"
+    assert (done.attempts[0].failure_reason or "").startswith("BadResult: no grader result")
+
+
 # --- leases, parallelism, restarts --------------------------------------------------------------------
 
 

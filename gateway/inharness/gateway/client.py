@@ -94,6 +94,11 @@ class GatewayClient:
         data = (await self._call("POST", f"/api/v1/attempts/{attempt_id}/complete", body)).json()
         return schema.AttemptOut.model_validate(data["attempt"]), bool(data["duplicate"])
 
+    async def posted_reward(self, attempt_id: str) -> schema.PostedRewardOut | None:
+        """The reward the attempt's harness posted to the gateway, or None if it posted none."""
+        r = await self._call("GET", f"/api/v1/attempts/{attempt_id}/posted-reward")
+        return schema.PostedRewardResponse.model_validate_json(r.content).posted
+
     async def calls(self, attempt_id: str, *, bodies: bool = True) -> list[schema.CallOut]:
         r = await self._call("GET", f"/api/v1/attempts/{attempt_id}/calls", bodies=str(bodies).lower())
         return schema.CallsResponse.model_validate_json(r.content).calls

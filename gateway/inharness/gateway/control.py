@@ -95,6 +95,15 @@ async def complete(request: Request, attempt_id: str, body: schema.CompleteReque
     return _json({"attempt": out.model_dump(mode="json"), "duplicate": duplicate})
 
 
+@router.get("/attempts/{attempt_id}/posted-reward", response_model=schema.PostedRewardResponse)
+async def posted_reward(request: Request, attempt_id: str) -> Response:
+    """The reward the attempt's harness posted itself, if any (the rollout controller's fallback)."""
+    try:
+        return _json(schema.PostedRewardResponse(posted=await _store(request).posted_reward(attempt_id)))
+    except NotFound as exc:
+        raise APIError(404, str(exc)) from None
+
+
 @router.get("/attempts/{attempt_id}/calls", response_model=schema.CallsResponse)
 async def list_calls(request: Request, attempt_id: str, bodies: bool = True) -> Response:
     try:

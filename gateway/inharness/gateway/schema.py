@@ -6,7 +6,7 @@ The gateway owns this protocol; the trainer and the operator import these models
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 RolloutStatus = Literal["queued", "running", "succeeded", "failed"]
 AttemptStatus = Literal["running", "succeeded", "failed"]
@@ -37,6 +37,30 @@ class CompleteRequest(_Wire):
     status: Literal["succeeded", "failed"]
     reward: float | None = None
     info: dict[str, Any] = Field(default_factory=dict)
+
+
+MAX_POSTED_INFO_BYTES = 65_536
+
+
+class PostReward(BaseModel):
+    """What a harness posts for its own attempt (POST <base URL>/inharness/reward, with its key):
+    `{"reward": 0.5, ...}`, a result file's rules over HTTP. Other keys are kept as the posted info."""
+
+    model_config = ConfigDict(extra="allow")
+
+    reward: StrictFloat | StrictInt = Field(allow_inf_nan=False, description="a finite number, not a bool")
+
+
+class PostedRewardOut(BaseModel):
+    attempt_id: str
+    reward: float
+    info: dict[str, Any] = Field(default_factory=dict, description="the posted keys other than reward")
+    posted_at: float
+    posts: int = Field(description="how many times the harness posted; the latest post is the one kept")
+
+
+class PostedRewardResponse(BaseModel):
+    posted: PostedRewardOut | None = Field(description="None: the harness posted no reward")
 
 
 class AttemptOut(BaseModel):

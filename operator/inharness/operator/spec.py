@@ -208,7 +208,8 @@ class Outcome(SpecModel):
     type: Literal["resultFile", "exitCode", "grader"] = Field(
         default="resultFile",
         description='resultFile: the harness writes JSON like {"reward": 1.0} to the result file and exits '
-        "0. exitCode: reward 1.0 on exit 0, else 0.0. grader: a grader command computes the reward.",
+        "0; with no reward there, a reward it posted to the gateway ($OPENAI_BASE_URL/inharness/reward) "
+        "counts. exitCode: reward 1.0 on exit 0, else 0.0. grader: a grader command computes the reward.",
     )
     result_file_env: EnvName = Field(
         default="INHARNESS_RESULT_FILE",

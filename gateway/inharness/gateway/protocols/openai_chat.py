@@ -23,7 +23,8 @@ PROTOCOL = "openai.chat"
 router = APIRouter()
 
 
-def _token(request: Request) -> str | None:
+def attempt_key(request: Request) -> str | None:
+    """The attempt's key: from the `/t/{key}` prefix, else `Authorization: Bearer`."""
     if "token" in request.path_params:
         return request.path_params["token"]
     header = request.headers.get("authorization", "")
@@ -110,7 +111,7 @@ async def chat_completions(request: Request, req: ChatCompletionRequest) -> Resp
     started = time.perf_counter()
     status = "error"
     try:
-        auth = await svc.authenticate(_token(request))
+        auth = await svc.authenticate(attempt_key(request))
         conv = to_conversation(req)
         opened = svc.call(
             auth,

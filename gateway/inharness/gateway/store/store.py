@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from inharness.gateway import schema
 from inharness.gateway.codec import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
-from inharness.gateway.store.tables import attempts, calls, metadata, model_versions, rollouts
+from inharness.gateway.store.tables import attempts, calls, metadata, model_versions, posted_rewards, rollouts
 
 SqliteSync = Literal["off", "normal", "full"]
 _INSERT_CALLS = insert(calls).returning(calls.c.id, sort_by_parameter_order=True)
@@ -276,6 +276,46 @@ class Store:
             await _settle_rollout(conn, row.rollout_id, req.status, req.reward, now)
             row = await _attempt_row(conn, attempt_id)
         return _attempt_out(row), False
+
+    async def post_reward(
+        self, attempt_id: str, reward: float, info: dict[str, Any]
+    ) -> schema.PostedRewardOut:
+        """Keep the reward a harness posted for its running attempt; a later post replaces it. Checked
+        in the same transaction as the write, so a post never lands on a finished or expired attempt."""
+        now = time.time()
+        async with self._writing() as conn:
+            row = await _attempt_row(conn, attempt_id)
+            if row.status != "running" or row.lease_expires_at < now:
+                raise Conflict(
+                    f"attempt {attempt_id} is {_attempt_state(row, now)}; its reward cannot change"
+                )
+            posts = await conn.scalar(
+                select(posted_rewards.c.posts).where(posted_rewards.c.attempt_id == attempt_id)
+            )
+            values = {"reward": float(reward), "info": info, "posted_at": now, "posts": (posts or 0) + 1}
+            if posts is None:
+                await conn.execute(insert(posted_rewards).values(attempt_id=attempt_id, **values))
+            else:
+                await conn.execute(
+                    update(posted_rewards).where(posted_rewards.c.attempt_id == attempt_id).values(**values)
+                )
+        return schema.PostedRewardOut(attempt_id=attempt_id, **values)
+
+    async def posted_reward(self, attempt_id: str) -> schema.PostedRewardOut | None:
+        async with self._engine.connect() as conn:
+            await _attempt_row(conn, attempt_id)
+            row = (
+                await conn.execute(select(posted_rewards).where(posted_rewards.c.attempt_id == attempt_id))
+            ).first()
+        if row is None:
+            return None
+        return schema.PostedRewardOut(
+            attempt_id=attempt_id,
+            reward=row.reward,
+            info=row.info or {},
+            posted_at=row.posted_at,
+            posts=row.posts,
+        )
 
     async def expire_leases(self, now: float | None = None) -> int:
         """Fail every running attempt whose lease has passed and requeue its rollout (or fail it at

@@ -57,6 +57,18 @@ attempts = Table(
     Index("ix_attempts_lease", "status", "lease_expires_at"),
 )
 
+# A reward the harness posted for its own attempt (the latest post); its own table, so that an existing
+# store gains it through create_all without a migration.
+posted_rewards = Table(
+    "posted_rewards",
+    metadata,
+    Column("attempt_id", String(40), ForeignKey("attempts.id"), primary_key=True),
+    Column("reward", Float, nullable=False),
+    Column("info", JSON, nullable=False),
+    Column("posted_at", Float, nullable=False),
+    Column("posts", Integer, nullable=False),
+)
+
 calls = Table(
     "calls",
     metadata,

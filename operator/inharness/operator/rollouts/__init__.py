@@ -23,6 +23,9 @@ from inharness.gateway.schema import ClaimedAttempt
 
 _log = logging.getLogger(__name__)
 
+REWARD_MISSING = "_reward_missing"
+"""Info key of an `Outcome.missing_reward`; never reported, `with_posted_reward` removes it."""
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -40,6 +43,12 @@ class Outcome:
     @classmethod
     def failure(cls, reason: str, **info: Any) -> "Outcome":
         return cls("failed", None, {"reason": reason, **info})
+
+    @classmethod
+    def missing_reward(cls, reason: str, **info: Any) -> "Outcome":
+        """A harness that ended normally without a reward in its result: a failure with `reason`,
+        unless the harness posted a reward to the gateway (`ClaimingController.with_posted_reward`)."""
+        return cls("failed", None, {"reason": reason, **info, REWARD_MISSING: True})
 
     @property
     def reason(self) -> str | None:
@@ -188,7 +197,7 @@ class ClaimingController(ABC):
             if abort.is_set():
                 outcome = Outcome.failure(abort.reason)
             else:
-                outcome = await self.execute(attempt, abort)
+                outcome = await self.with_posted_reward(attempt, await self.execute(attempt, abort))
         except Exception as exc:
             outcome = Outcome.failure(f"runner error: {type(exc).__name__}: {exc}")
         finally:
@@ -203,6 +212,31 @@ class ClaimingController(ABC):
             self.unreported += 1
         if self.on_finish is not None:
             self.on_finish(attempt, outcome)
+
+    async def with_posted_reward(self, attempt: ClaimedAttempt, outcome: Outcome) -> Outcome:
+        """The outcome to report. The result file's reward wins; only a harness that ended normally
+        with no reward in its result (`Outcome.missing_reward`) gets the reward it posted to the
+        gateway, and fails with the original reason if it posted none (or the gateway cannot say)."""
+        if not outcome.info.get(REWARD_MISSING):
+            return outcome
+        info = {k: v for k, v in outcome.info.items() if k != REWARD_MISSING}
+        for tries in range(1, self.report_tries + 1):
+            try:
+                async with self._gate:
+                    posted = await self.gateway.posted_reward(attempt.id)
+                break
+            except (GatewayError, httpx.HTTPError) as exc:
+                if isinstance(exc, GatewayError) and exc.status < 500:
+                    return replace(outcome, info=info)
+                if tries == self.report_tries:
+                    self.log(f"attempt {attempt.id}: cannot read its posted reward: {exc!r}")
+                    return replace(outcome, info=info)
+                await asyncio.sleep(0.5 * 2 ** (tries - 1))
+        if posted is None:
+            return replace(outcome, info=info)
+        rest = {k: v for k, v in info.items() if k not in ("reason", "message")}
+        extra = {"posted": posted.info} if posted.info else {}
+        return Outcome.success(posted.reward, **rest, reward_source="posted", **extra)
 
     async def _heartbeats(self, attempt: ClaimedAttempt, abort: Abort) -> None:
         while True:

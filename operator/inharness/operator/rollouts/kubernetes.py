@@ -23,12 +23,14 @@ gone. So the objects per attempt are one pod plus 2/`max_batch` (4 API writes pe
 The outcome is the harness container's terminated state: exit code, OOMKilled, the pod's
 DeadlineExceeded or Evicted, and the termination message (terminationMessagePath
 /dev/termination-log, policy File: logs are not a result), which holds the result JSON the harness
-wrote to its result file, read with the local backend's rules. With `outcome.type: grader` the harness
-runs as the pod's init container and the grader as its container (same image, a shared emptyDir
-for the harness's result file, the grader's result JSON as its termination message), so neither
-command is wrapped; `harness_pod` says what the grader sees. Failures that leave a pod waiting
-(image pull errors, Unschedulable) fail the attempt after a grace and the pod is deleted. Each
-failure reason starts with a CamelCase key (`OOMKilled: ...`) that the pool's status aggregates.
+wrote to its result file, read with the local backend's rules (a harness that left no reward there
+may have posted one to the gateway: `ClaimingController.with_posted_reward`). With
+`outcome.type: grader` the harness runs as the pod's init container and the grader as its
+container (same image, a shared emptyDir for the harness's result file, the grader's result JSON
+as its termination message), so neither command is wrapped; `harness_pod` says what the grader
+sees. Failures that leave a pod waiting (image pull errors, Unschedulable) fail the attempt after a
+grace and the pod is deleted. Each failure reason starts with a CamelCase key (`OOMKilled: ...`)
+that the pool's status aggregates.
 
 Pods are watched by label selector (list, then watch from the list's resourceVersion; a 410 Gone
 re-lists), never polled; attempts are claimed in batches while fewer than `parallelism` attempts
@@ -62,7 +64,7 @@ from inharness.gateway.schema import ClaimedAttempt
 from inharness.operator import render
 from inharness.operator.kube import CONFIGMAPS, PODS, SECRETS, AlreadyExists, KubeClient, KubeError, NotFound
 from inharness.operator.rollouts import Abort, ClaimingController, OnFinish, Outcome, reason_key
-from inharness.operator.rollouts.local import KEY_PLACEHOLDER, parse_result
+from inharness.operator.rollouts.local import KEY_PLACEHOLDER, NoReward, parse_result
 from inharness.operator.spec import API_VERSION, HarnessSpecSpec, KubernetesPool, RolloutPoolSpec
 
 _log = logging.getLogger(__name__)
@@ -447,14 +449,17 @@ def classify(
             return Outcome.failure(
                 f"NonZeroExit: {who}exited with code {code}{detail}", **info, message=_tail(message)
             ), None
+        # A harness's result without a reward may be made good by a reward it posted; a grader's not.
         if not message.strip():
-            return Outcome.failure(
-                f"BadResult: no {'grader ' if graded else ''}result in the termination message "
-                f"({TERMINATION_LOG})",
-                **info,
-            ), None
+            whose = "grader " if graded else ""
+            empty = f"BadResult: no {whose}result in the termination message ({TERMINATION_LOG})"
+            return (Outcome.failure if graded else Outcome.missing_reward)(empty, **info), None
         try:
             reward, rest = parse_result(message.encode(), "grader " if graded else "")
+        except NoReward as exc:
+            more = {"result": exc.rest} if exc.rest else {}
+            make = Outcome.failure if graded else Outcome.missing_reward
+            return make(f"BadResult: {exc}", **info, **more, message=_tail(message)), None
         except ValueError as exc:
             return Outcome.failure(f"BadResult: {exc}", **info, message=_tail(message)), None
         return Outcome.success(reward, **info, **({"result": rest} if rest else {})), None
@@ -766,7 +771,7 @@ class KubernetesRolloutController(ClaimingController):
             else:
                 beats = asyncio.create_task(self._heartbeats(t.attempt, abort))
                 try:
-                    outcome = await self.execute(t.attempt, abort)
+                    outcome = await self.with_posted_reward(t.attempt, await self.execute(t.attempt, abort))
                 finally:
                     beats.cancel()
             await self._settle(t, outcome, start, abort)

@@ -33,6 +33,22 @@ class _Failed(Exception):
     """An attempt that ends in a failure with this reason."""
 
 
+class _NoReward(_Failed):
+    """The harness's result has no reward (no file, or JSON without one); `rest`: its other keys."""
+
+    def __init__(self, reason: str, rest: dict[str, Any] | None = None) -> None:
+        super().__init__(reason)
+        self.rest = rest or {}
+
+
+class NoReward(ValueError):
+    """Result JSON that is an object without a 'reward' key; `rest`: its other keys."""
+
+    def __init__(self, message: str, rest: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.rest = rest
+
+
 @dataclass(frozen=True)
 class _Exit:
     """How one child process ended."""
@@ -105,6 +121,10 @@ class LocalRolloutController(ClaimingController):
                 reward, rest = _read_result(result, "")
                 return Outcome.success(reward, **info, **({"result": rest} if rest else {}))
             return await self._grade(attempt, adir, ran, stdout, result, abort, info)
+        except _NoReward as missing:
+            # A reward the harness posted to the gateway may stand in (ClaimingController).
+            more = {"result": missing.rest} if missing.rest else {}
+            return Outcome.missing_reward(str(missing), **info, **more, stderr_tail=_tail(stderr))
         except _Failed as failed:
             return Outcome.failure(str(failed), **info, stderr_tail=_tail(stderr))
 
@@ -302,7 +322,7 @@ def _read_result(path: Path, who: str) -> tuple[float, dict[str, Any]]:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise _Failed(f"{who}result file missing") from None
+        raise _NoReward(f"{who}result file missing") from None
     except OSError as exc:
         raise _Failed(f"{who}result file unreadable: {exc}") from None
     if size > MAX_RESULT_BYTES:
@@ -311,8 +331,12 @@ def _read_result(path: Path, who: str) -> tuple[float, dict[str, Any]]:
         raw = path.read_bytes()
     except OSError as exc:
         raise _Failed(f"{who}result file unreadable: {exc}") from None
+    if not raw.strip():
+        raise _NoReward(f"{who}result file is empty")
     try:
         return parse_result(raw, who)
+    except NoReward as exc:
+        raise _NoReward(str(exc), exc.rest) from None
     except ValueError as exc:
         raise _Failed(str(exc)) from None
 
@@ -324,6 +348,8 @@ def parse_result(raw: bytes, who: str = "") -> tuple[float, dict[str, Any]]:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{who}result file is not valid JSON: {exc}") from None
+    if isinstance(data, dict) and "reward" not in data:
+        raise NoReward(f"{who}result has no numeric 'reward'", data)
     reward = data.get("reward") if isinstance(data, dict) else None
     if isinstance(reward, bool) or not isinstance(reward, int | float):
         raise ValueError(f"{who}result has no numeric 'reward'")
