@@ -6,7 +6,8 @@ tests (tests/operator/fake_kubelet.py) in a second process, and the controller i
 operator runs it: one pod per attempt, a key Secret and a task ConfigMap per batch, a pod watch, TTL
 0 (each pod deleted once reported). Each harness "runs" for no time, so what is measured is the
 controller, the API and the gateway, not harnesses. API requests are counted by verb in the
-controller's KubeClient (the kubelet's own requests are not the operator's).
+controller's KubeClient (the kubelet's own requests are not the operator's), gateway requests by
+kind in the controller's GatewayClient.
 
 Run: make bench-rollouts   (or: .venv/bin/python bench/rollouts.py [--sizes 100,1000] [--qps 50])
 """
@@ -22,6 +23,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
 
@@ -34,6 +37,17 @@ from inharness.procs import ServerProcess, free_port  # noqa: E402
 ADMIN = "bench-admin-token"
 NS = "bench"
 VERBS = ("create", "delete", "list", "watch", "get", "patch")
+GATEWAY_KINDS = ("claim", "heartbeat", "complete", "other")
+
+
+def gateway_kind(path: str) -> str:
+    """Which controller request a gateway path is: claims (one or a batch), heartbeats, completions."""
+    if path.startswith("/api/v1/attempts/claim"):
+        return "claim"
+    for kind in ("heartbeat", "complete"):
+        if path.endswith(f"/{kind}"):
+            return kind
+    return "other"
 
 
 def emulator_process(ready: Any, done: Any) -> None:
@@ -83,6 +97,12 @@ async def one_size(
             {"image": "example.org/harness:bench", "command": ["harness"]}
         )
         reported: Counter[str] = Counter()
+        gateway_requests: Counter[str] = Counter()
+
+        async def count(request: httpx.Request) -> None:
+            gateway_requests[gateway_kind(request.url.path)] += 1
+
+        gw._http.event_hooks["request"].append(count)
         controller = KubernetesRolloutController(
             gw,
             kube,
@@ -137,6 +157,7 @@ async def one_size(
         "seconds": done_at,
         "max_running": max_running,
         "per_attempt": {v: requests.get(v, 0) / n for v in VERBS},
+        "gateway_per_attempt": {k: gateway_requests[k] / n for k in GATEWAY_KINDS},
         "reported": dict(reported),
         "cpu_ms": {name: 1000 * (cpu_after[name] - cpu_before[name]) / n for name in pids},
     }
@@ -190,6 +211,13 @@ def main() -> None:
         row += "".join(f" {r['per_attempt'][v]:>11.3f}" for v in VERBS)
         row += f" {sum(r['per_attempt'].values()):>8.3f}"
         print(row)
+    print("gateway requests per attempt, by the controller:")
+    print(f"{'attempts':>9}" + "".join(f" {k + '/att':>13}" for k in GATEWAY_KINDS) + f" {'all/att':>8}")
+    for r in results:
+        g = r["gateway_per_attempt"]
+        print(
+            f"{r['n']:>9}" + "".join(f" {g[k]:>13.3f}" for k in GATEWAY_KINDS) + f" {sum(g.values()):>8.3f}"
+        )
     print("CPU milliseconds per attempt, by process:")
     for r in results:
         cpu = ", ".join(f"{name} {ms:.1f}" for name, ms in r["cpu_ms"].items())

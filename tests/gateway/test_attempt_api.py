@@ -1,7 +1,8 @@
 """The gateway's attempt API beyond model calls, as a real server on 127.0.0.1 (no engine: none of
-this needs one): a harness posting its own reward with its attempt's key, and what the control API
-tells about it."""
+this needs one): a harness posting its own reward with its attempt's key, what the control API
+tells about it, and batch claims."""
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,3 +111,52 @@ async def test_a_posted_reward_must_be_one_finite_number_and_a_refused_post_keep
         assert r.status_code == status, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert await gw.posted_reward(attempt.id) is None
+
+
+# --- batch claims ---------------------------------------------------------------------------------------
+
+
+async def test_a_batch_claim_takes_up_to_limit_of_the_oldest_queued_each_with_its_own_live_key(
+    gateway: Server,
+) -> None:
+    async with GatewayClient(gateway.url, ADMIN) as gw:
+        made = await gw.create_rollouts([{"i": i} for i in range(5)], pool="batch-claim")
+        first = await gw.claim_batch("batch-claim", 60, limit=3)
+        rest = await gw.claim_batch("batch-claim", 60, limit=10)
+        assert await gw.claim_batch("batch-claim", 60, limit=10) == []  # none queued: empty, not an error
+        claimed = first + rest
+        assert [a.rollout_id for a in claimed] == [r.id for r in made]  # oldest first, each once
+        assert [a.task for a in claimed] == [{"i": i} for i in range(5)]
+        assert len({a.id for a in claimed}) == len({a.token for a in claimed}) == 5
+        assert {a.seq for a in claimed} == {1}
+        for a in claimed:
+            r = await gw.get_rollout(a.rollout_id)
+            assert r.status == "running" and [x.id for x in r.attempts] == [a.id]
+            assert (await post(gateway, a.token, {"reward": 0.5})).status_code == 200  # the key works
+
+
+async def test_concurrent_batch_claims_never_hand_out_a_rollout_twice(gateway: Server) -> None:
+    async with GatewayClient(gateway.url, ADMIN) as gw:
+        made = await gw.create_rollouts([{"i": i} for i in range(50)], pool="batch-race")
+        waves = await asyncio.gather(*(gw.claim_batch("batch-race", 60, limit=20) for _ in range(5)))
+    rollouts = [a.rollout_id for wave in waves for a in wave]
+    assert sorted(rollouts) == sorted(r.id for r in made)
+
+
+async def test_a_batch_claim_gives_a_requeued_rollout_its_next_attempt(gateway: Server) -> None:
+    async with GatewayClient(gateway.url, ADMIN) as gw:
+        (made,) = await gw.create_rollouts([{"q": 1}], pool="batch-requeue", max_attempts=2)
+        (first,) = await gw.claim_batch("batch-requeue", 0.5, limit=5)
+
+        async def requeued() -> list[ClaimedAttempt]:
+            return await gw.claim_batch("batch-requeue", 60, limit=5)  # expires passed leases first
+
+        (second,) = await eventually(requeued, "the expired attempt's rollout claimed again", within=10)
+    assert (second.rollout_id, second.seq) == (made.id, 2) and second.id != first.id
+
+
+@pytest.mark.parametrize("limit", [0, 1001])
+async def test_a_batch_claim_limit_outside_1_to_1000_is_refused(gateway: Server, limit: int) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN}"}) as h:
+        r = await h.post("/api/v1/attempts/claim-batch", json={"pool": "batch-limit", "limit": limit})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text

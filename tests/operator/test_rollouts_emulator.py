@@ -24,7 +24,7 @@ from kmock import Server
 from testsupport import Server as GatewayServer
 from testsupport import eventually, gateway_server
 
-from inharness.gateway.client import GatewayClient
+from inharness.gateway.client import GatewayClient, GatewayError
 from inharness.gateway.schema import ClaimedAttempt, RolloutOut
 from inharness.operator.kube import (
     DEPLOYMENTS,
@@ -709,6 +709,44 @@ async def test_a_deletion_missed_while_the_watch_was_away_is_found_by_the_relist
     assert done.status == "failed" and done.attempts[0].failure_reason is not None
     assert done.attempts[0].failure_reason.startswith("PodDeleted: ")
     assert not e.k8s.expire_versions  # the 410 was served
+
+
+async def test_the_controller_claims_a_batch_in_one_gateway_request(env: Env) -> None:
+    e = env
+    paths: list[str] = []
+
+    async def count(request: httpx.Request) -> None:
+        paths.append(request.url.path)
+
+    e.gw._http.event_hooks["request"].append(count)
+    made = await e.rollouts([kubelet_task(hold="batch") for _ in range(6)])
+    async with kubelet(e) as k, running(e.controller(pool={"parallelism": 6})):
+        await eventually(lambda: len(k.env) == 6, "six pods running")
+        # the six were queued before the controller started: one request claimed them all
+        assert paths.count("/api/v1/attempts/claim-batch") == 1 and "/api/v1/attempts/claim" not in paths
+        k.release("batch")
+        done = await e.settled([r.id for r in made])
+    assert {r.status for r in done} == {"succeeded"}
+
+
+class OlderGateway(GatewayClient):
+    """A gateway from before batch claims: its claim-batch route does not exist."""
+
+    async def claim_batch(self, pool: str = "default", lease_seconds: float = 600.0, limit: int = 100) -> Any:
+        raise GatewayError(404, "Not Found")
+
+
+async def test_against_a_gateway_without_batch_claims_the_controller_claims_one_at_a_time(env: Env) -> None:
+    e = env
+    made = await e.rollouts([kubelet_task() for _ in range(5)])
+    controller = e.controller()
+    logs: list[str] = []
+    async with OlderGateway(e.gateway_url, ADMIN) as old:
+        controller.gateway, controller.log = old, logs.append
+        async with kubelet(e), running(controller):
+            done = await e.settled([r.id for r in made])
+    assert {r.status for r in done} == {"succeeded"}
+    assert sum("no batch claims" in line for line in logs) == 1  # found out once, then single claims
 
 
 # --- pure parts ---------------------------------------------------------------------------------------

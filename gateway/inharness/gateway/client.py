@@ -76,6 +76,14 @@ class GatewayClient:
             return None
         return schema.ClaimResponse.model_validate_json(r.content).attempt
 
+    async def claim_batch(
+        self, pool: str = "default", lease_seconds: float = 600.0, limit: int = 100
+    ) -> list[schema.ClaimedAttempt]:
+        """Up to `limit` attempts in one request (oldest queued first); [] when none is queued."""
+        body = schema.ClaimBatchRequest(pool=pool, lease_seconds=lease_seconds, limit=limit)
+        r = await self._call("POST", "/api/v1/attempts/claim-batch", body.model_dump(mode="json"))
+        return schema.ClaimBatchResponse.model_validate_json(r.content).attempts
+
     async def heartbeat(self, attempt_id: str, lease_seconds: float | None = None) -> schema.AttemptOut:
         r = await self._call(
             "POST", f"/api/v1/attempts/{attempt_id}/heartbeat", {"lease_seconds": lease_seconds}

@@ -70,6 +70,18 @@ async def claim(request: Request, body: schema.ClaimRequest) -> Response:
     return _json(schema.ClaimResponse(attempt=attempt))
 
 
+@router.post("/attempts/claim-batch", response_model=schema.ClaimBatchResponse)
+async def claim_batch(request: Request, body: schema.ClaimBatchRequest) -> Response:
+    """Up to `limit` attempts of the pool in one request and one transaction (oldest queued first); a
+    rollout controller starting many pods at once would otherwise pay a request per attempt."""
+    store = _store(request)
+    expired = await store.expire_leases()
+    if expired:
+        _calls(request).metrics.leases_expired.inc(expired)
+    attempts = await store.claim_many(body.pool, body.lease_seconds, body.limit)
+    return _json(schema.ClaimBatchResponse(attempts=attempts))
+
+
 @router.post("/attempts/{attempt_id}/heartbeat", response_model=schema.AttemptOut)
 async def heartbeat(
     request: Request, attempt_id: str, body: schema.HeartbeatRequest | None = None

@@ -29,6 +29,15 @@ class ClaimRequest(_Wire):
     lease_seconds: float = Field(default=600.0, gt=0, le=86_400)
 
 
+MAX_CLAIM_BATCH = 1000
+
+
+class ClaimBatchRequest(_Wire):
+    pool: str = Field(default="default", min_length=1, max_length=253)
+    lease_seconds: float = Field(default=600.0, gt=0, le=86_400)
+    limit: int = Field(ge=1, le=MAX_CLAIM_BATCH, description="claim at most this many attempts")
+
+
 class HeartbeatRequest(_Wire):
     lease_seconds: float | None = Field(default=None, gt=0, le=86_400, description="None: the claimed lease")
 
@@ -91,6 +100,10 @@ class ClaimedAttempt(BaseModel):
 
 class ClaimResponse(BaseModel):
     attempt: ClaimedAttempt
+
+
+class ClaimBatchResponse(BaseModel):
+    attempts: list[ClaimedAttempt] = Field(description="oldest queued first; empty when none is queued")
 
 
 class RolloutOut(BaseModel):

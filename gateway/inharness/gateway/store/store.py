@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import Engine, create_engine, event, func, insert, select, update
+from sqlalchemy import Engine, bindparam, create_engine, event, func, insert, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -191,48 +191,61 @@ class Store:
     async def claim(self, pool: str, lease_seconds: float) -> schema.ClaimedAttempt | None:
         """Start a new attempt on the oldest queued rollout of the pool, or None when none is queued.
         Callers expire passed leases first (`expire_leases`) so that their rollouts are claimable."""
+        claimed = await self.claim_many(pool, lease_seconds, 1)
+        return claimed[0] if claimed else None
+
+    async def claim_many(self, pool: str, lease_seconds: float, limit: int) -> list[schema.ClaimedAttempt]:
+        """Start new attempts on up to `limit` of the pool's oldest queued rollouts, in one transaction:
+        a controller starting a hundred pods pays one request and one commit, not a hundred."""
         now = time.time()
         async with self._writing() as conn:
-            row = (
+            rows = (
                 await conn.execute(
                     select(rollouts.c.id, rollouts.c.group_id, rollouts.c.task, rollouts.c.attempts_started)
                     .where(rollouts.c.pool == pool, rollouts.c.status == "queued")
                     .order_by(rollouts.c.created_seq)
-                    .limit(1)
+                    .limit(limit)
                     .with_for_update(skip_locked=True)
                 )
-            ).first()
-            if row is None:
-                return None
-            seq = row.attempts_started + 1
-            token = "ih-" + secrets.token_urlsafe(24)
-            attempt_id = _new_id("at")
-            await conn.execute(
-                update(rollouts).where(rollouts.c.id == row.id).values(status="running", attempts_started=seq)
-            )
-            await conn.execute(
-                insert(attempts).values(
-                    id=attempt_id,
+            ).all()
+            if not rows:
+                return []
+            out: list[schema.ClaimedAttempt] = []
+            new_attempts: list[dict[str, Any]] = []
+            for row in rows:
+                token = "ih-" + secrets.token_urlsafe(24)
+                attempt = schema.ClaimedAttempt(
+                    id=_new_id("at"),
                     rollout_id=row.id,
-                    seq=seq,
-                    pool=pool,
-                    token_hash=hash_token(token),
-                    status="running",
-                    lease_seconds=lease_seconds,
-                    claimed_at=now,
+                    group_id=row.group_id,
+                    seq=row.attempts_started + 1,
+                    task=row.task,
+                    token=token,
                     lease_expires_at=now + lease_seconds,
-                    info={},
                 )
+                out.append(attempt)
+                new_attempts.append(
+                    {
+                        "id": attempt.id,
+                        "rollout_id": row.id,
+                        "seq": attempt.seq,
+                        "pool": pool,
+                        "token_hash": hash_token(token),
+                        "status": "running",
+                        "lease_seconds": lease_seconds,
+                        "claimed_at": now,
+                        "lease_expires_at": attempt.lease_expires_at,
+                        "info": {},
+                    }
+                )
+            await conn.execute(
+                update(rollouts)
+                .where(rollouts.c.id == bindparam("rollout"))
+                .values(status="running", attempts_started=bindparam("started")),
+                [{"rollout": a.rollout_id, "started": a.seq} for a in out],
             )
-        return schema.ClaimedAttempt(
-            id=attempt_id,
-            rollout_id=row.id,
-            group_id=row.group_id,
-            seq=seq,
-            task=row.task,
-            token=token,
-            lease_expires_at=now + lease_seconds,
-        )
+            await conn.execute(insert(attempts), new_attempts)
+        return out
 
     async def heartbeat(self, attempt_id: str, lease_seconds: float | None) -> schema.AttemptOut:
         now = time.time()

@@ -33,8 +33,9 @@ grace and the pod is deleted. Each failure reason starts with a CamelCase key (`
 that the pool's status aggregates.
 
 Pods are watched by label selector (list, then watch from the list's resourceVersion; a 410 Gone
-re-lists), never polled; attempts are claimed in batches while fewer than `parallelism` attempts
-are in flight (adopted ones included); creation is paced by the KubeClient's QPS/burst.
+re-lists), never polled; attempts are claimed in batches (one gateway request per batch) while
+fewer than `parallelism` attempts are in flight (adopted ones included); creation is paced by the
+KubeClient's QPS/burst.
 
 Restart safety: on start the controller lists its pods and adopts them (attempt and rollout ids are
 in their labels): running ones get a heartbeat at once and then as usual, finished ones are
@@ -533,7 +534,8 @@ class KubernetesRolloutController(ClaimingController):
     """Runs a RolloutPool's attempts of one TrainingRun as pods (see the module docstring)."""
 
     max_batch = 100
-    claim_concurrency = 8
+    claim_concurrency = 8  # single claims in flight, against a gateway without batch claims
+    claim_linger_seconds = 0.1  # how long a freed slot waits for others, so that batches stay large
     gateway_concurrency = 16
     watch_timeout_seconds = 300
     create_tries = 4
@@ -584,6 +586,7 @@ class KubernetesRolloutController(ClaimingController):
         self.selector = selector(run, pool_name)
         self.duplicates = 0
         self.adopted = 0
+        self._batch_claims = True  # until the gateway says it has no batch-claim endpoint
         self._pods: dict[str, _Tracked] = {}
         self._batches: dict[str, set[str]] = {}
         self._reap = asyncio.Event()
@@ -620,6 +623,7 @@ class KubernetesRolloutController(ClaimingController):
                     await asyncio.wait([freed, stopped], return_when=asyncio.FIRST_COMPLETED)
                     freed.cancel()
                     continue
+                free = await self._linger(free, stopped)
                 batch = await self._claim_batch(min(free, self.max_batch))
                 if not batch:
                     await asyncio.wait([stopped], timeout=idle)
@@ -641,6 +645,26 @@ class KubernetesRolloutController(ClaimingController):
                     await task
             if self._cleanups:
                 await asyncio.wait(list(self._cleanups), timeout=30)
+
+    async def _linger(self, free: int, stopped: "asyncio.Task[bool]") -> int:
+        """Free slots to claim for, after waiting up to `claim_linger_seconds` for more to free up
+        while other attempts still run. Each claimed batch costs a request and 4 API writes (its
+        Secret and ConfigMap), so claiming the moment one slot frees would pay that per attempt."""
+        target = min(self.max_batch, self.parallelism)
+        if free >= target or not self._active or self.claim_linger_seconds <= 0:
+            return free
+        deadline = time.monotonic() + self.claim_linger_seconds
+        while free < target and not stopped.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._freed.clear()
+            freed = asyncio.create_task(self._freed.wait())
+            await asyncio.wait([freed, stopped], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            freed.cancel()
+            self._prune()
+            free = self.parallelism - len(self._active)
+        return free
 
     # -- adoption -----------------------------------------------------------------------------------
 
@@ -698,6 +722,21 @@ class KubernetesRolloutController(ClaimingController):
     # -- claiming and starting ----------------------------------------------------------------------
 
     async def _claim_batch(self, n: int) -> list[ClaimedAttempt]:
+        """Up to `n` attempts: one batch-claim request, or, from a gateway that predates it (404),
+        waves of single claims from then on."""
+        if self._batch_claims:
+            try:
+                async with self._gate:
+                    return await self.gateway.claim_batch(self.pool_name, self.lease_seconds, n)
+            except GatewayError as exc:
+                if exc.status not in (404, 405):
+                    self.log(f"pool {self.pool_name}: claim failed, retrying: {exc}")
+                    return []
+                self.log(f"pool {self.pool_name}: the gateway has no batch claims; claiming one at a time")
+                self._batch_claims = False
+            except httpx.HTTPError as exc:
+                self.log(f"pool {self.pool_name}: claim failed, retrying: {exc!r}")
+                return []
         out: list[ClaimedAttempt] = []
         while len(out) < n:
             wave = min(n - len(out), self.claim_concurrency)
