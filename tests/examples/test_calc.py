@@ -248,3 +248,21 @@ async def test_harness_subprocess_against_real_gateway(gateway: Server, tmp_path
     assert all(c.requested_model == "calc-agent" and c.response_ids for c in calls)
     assert calls[1].parent_call_id == calls[0].id
     assert calls[0].request is not None and calls[0].request["temperature"] == 0.0
+
+
+def test_sim_runs_a_step_of_the_imitated_agent_loop_and_reports_the_gain(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sim = load("sim")
+    assert sim.main([str(tiny_model), "--steps", "1", "--batch-size", "1", "--group-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^step 0: reward \d\.\d\d right-operator \d\.\d\d tool-use \d\.\d\d", out, re.M), out
+    assert "gain" in out.splitlines()[-1]
+
+
+def test_sim_parses_tool_calls_as_the_chat_template_writes_them() -> None:
+    sim = load("sim")
+    text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "7*5"}}\n</tool_call>'
+    assert sim._parse_call(text) == ("calculator", '{"expression": "7*5"}')
+    assert sim._parse_call("The answer is 35.") is None
+    assert sim._parse_call("<tool_call>\n{not json}\n</tool_call>") == ("?", "{}")
