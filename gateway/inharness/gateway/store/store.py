@@ -250,11 +250,7 @@ class Store:
     async def heartbeat(self, attempt_id: str, lease_seconds: float | None) -> schema.AttemptOut:
         now = time.time()
         async with self._writing() as conn:
-            row = await _attempt_row(conn, attempt_id)
-            if row.status != "running" or row.lease_expires_at < now:
-                raise Conflict(
-                    f"attempt {attempt_id} is {_attempt_state(row, now)}; its lease cannot be renewed"
-                )
+            row = _running(await _attempt_row(conn, attempt_id), now, "its lease cannot be renewed")
             seconds = lease_seconds or row.lease_seconds
             await conn.execute(
                 update(attempts).where(attempts.c.id == attempt_id).values(lease_expires_at=now + seconds)
@@ -297,11 +293,7 @@ class Store:
         in the same transaction as the write, so a post never lands on a finished or expired attempt."""
         now = time.time()
         async with self._writing() as conn:
-            row = await _attempt_row(conn, attempt_id)
-            if row.status != "running" or row.lease_expires_at < now:
-                raise Conflict(
-                    f"attempt {attempt_id} is {_attempt_state(row, now)}; its reward cannot change"
-                )
+            _running(await _attempt_row(conn, attempt_id), now, "its reward cannot change")
             posts = await conn.scalar(
                 select(posted_rewards.c.posts).where(posted_rewards.c.attempt_id == attempt_id)
             )
@@ -609,6 +601,13 @@ async def _attempt_row(conn: AsyncConnection, attempt_id: str) -> Any:
     row = (await conn.execute(select(attempts).where(attempts.c.id == attempt_id))).first()
     if row is None:
         raise NotFound(f"attempt {attempt_id} not found")
+    return row
+
+
+def _running(row: Any, now: float, refused: str) -> Any:
+    """`row` if its attempt is running with a live lease, else a Conflict saying what is `refused`."""
+    if row.status != "running" or row.lease_expires_at < now:
+        raise Conflict(f"attempt {row.id} is {_attempt_state(row, now)}; {refused}")
     return row
 
 
