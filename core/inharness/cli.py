@@ -212,6 +212,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=8100)
     engine.add_argument("--served-model-name", default=None)
+    engine.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's, one per core); 1 where harnesses share the cores",
+    )
 
     _gateway_parser(sub)
     _operator_parser(sub)
@@ -250,7 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "engine":
         from inharness.engine.server import serve
 
-        serve(args.model, args.host, args.port, served_model_name=args.served_model_name)
+        if args.threads is not None and args.threads < 1:
+            parser.error("--threads must be at least 1")
+
+        serve(
+            args.model, args.host, args.port, served_model_name=args.served_model_name, threads=args.threads
+        )
         return 0
     if args.command == "gateway":
         return _run_gateway(args)

@@ -388,3 +388,12 @@ def test_load_weights_swaps_the_served_model_and_back(
     bad = httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": "/nonexistent"}, timeout=60)
     assert bad.status_code == 400 and "cannot load weights" in bad.json()["error"]["message"]
     assert complete(engine, **body)["choices"][0]["token_ids"] == before
+
+
+def test_engine_cli_refuses_fewer_than_one_thread(capsys: pytest.CaptureFixture[str]) -> None:
+    from inharness.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["engine", "--model", "unused", "--threads", "0"])
+    assert exited.value.code == 2
+    assert "--threads must be at least 1" in capsys.readouterr().err
