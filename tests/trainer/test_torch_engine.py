@@ -15,10 +15,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from inharness.engine.sampling import SamplingParams, generate
 from inharness.engine.tiny import init_tiny
+from inharness.trainer import torch_engine
 from inharness.trainer.samples import Sample
 from inharness.trainer.torch_engine import (
     TorchTrainingEngine,
     UpdateConfig,
+    _common_prefix,
     _split_by_rollout,
     pack_by_token_budget,
 )
@@ -375,3 +377,120 @@ def test_invalid_inputs_are_rejected(model_dir: Path, samples: list[Sample]) -> 
     with pytest.raises(ValueError, match="mini_batches and epochs"):
         UpdateConfig(mini_batches=0)
     assert engine.step == 0
+
+
+def _model_calls(engine: TorchTrainingEngine) -> list[tuple[int, ...]]:
+    """The input_ids shape of every policy forward call from now on."""
+    calls: list[tuple[int, ...]] = []
+    engine.model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    return calls
+
+
+def _prefixed_samples(prefix_len: int, rng: random.Random) -> list[Sample]:
+    """2 groups x 2 rollouts behind one common prompt of ``prefix_len`` tokens, as agent samples (system
+    prompt + tool schema) are; suffix lengths differ (right padding), one sample is multi-turn, and one
+    generated span starts right after the prefix."""
+    prefix = [rng.randrange(VOCAB) for _ in range(prefix_len)]
+    out = []
+    for rollout, group, reward, parts in (
+        ("a0", "ga", 1.0, [(3, False), (20, True)]),
+        ("a1", "ga", 0.0, [(1, False), (31, True)]),
+        ("b0", "gb", 1.0, [(4, False), (8, True), (6, False), (12, True)]),
+        ("b1", "gb", 0.0, [(0, False), (9, True)]),
+    ):
+        s = _sample(rollout, group, reward, [(prefix_len, False), *parts], rng)
+        s.input_ids[:prefix_len] = prefix
+        out.append(s)
+    return out
+
+
+def test_common_prefix_respects_row_lengths() -> None:
+    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 0, 9], [5, 6, 7, 0, 9]])
+    # Row 0's padding equals row 1's real token 0: the prefix stops before row 0's last real token.
+    assert _common_prefix(ids, torch.tensor([3, 5, 5])) == 2
+    assert _common_prefix(ids[1:], torch.tensor([5, 5])) == 4
+    assert _common_prefix(ids, torch.tensor([5, 5, 5])) == 4
+    assert _common_prefix(torch.tensor([[1, 2], [3, 2]]), torch.tensor([2, 2])) == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_prefix_logprobs_equal_plain_ones(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, dtype: str
+) -> None:
+    rng = random.Random(3)
+    rows = _prefixed_samples(120, rng)
+    just_after = copy.deepcopy(rows[0])  # the prefix and one token
+    just_after.input_ids, just_after.loss_mask = rows[0].input_ids[:121], rows[0].loss_mask[:121]
+    just_after.behaviour_logprobs = rows[0].behaviour_logprobs[:121]
+    rows.append(just_after)
+    engine = TorchTrainingEngine(model_dir, learning_rate=0.0, dtype=dtype)  # type: ignore[arg-type]
+    calls = _model_calls(engine)
+    shared = engine.logprobs(rows, temperature=0.7)
+    assert calls == [(1, 120), (5, max(len(s.input_ids) for s in rows) - 120)]
+    monkeypatch.setattr(torch_engine, "_MIN_SHARED_TOKENS", 10**9)
+    plain = engine.logprobs(rows, temperature=0.7)
+    assert len(calls) == 3
+    for a, b in zip(shared, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 if dtype == "float32" else 0.02)
+
+
+def test_shared_prefix_below_threshold_takes_plain_path(model_dir: Path) -> None:
+    """(b - 1) * P saved positions must reach the threshold: 2 rows sharing 60 tokens do not, 4 do."""
+    rows = _prefixed_samples(60, random.Random(4))
+    engine = TorchTrainingEngine(model_dir, learning_rate=0.0)
+    calls = _model_calls(engine)
+    engine.logprobs(rows[:2], temperature=1.0)
+    assert calls == [(2, 92)]
+    calls.clear()
+    engine.logprobs(rows, temperature=1.0)
+    assert calls == [(1, 60), (4, 32)]
+
+
+@pytest.mark.parametrize("normalization", ["token", "sample", "rollout"])
+def test_shared_prefix_gradient_equals_plain_gradient(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, normalization: str
+) -> None:
+    """One step's gradient, loss terms and metrics, with a KL term (reference model through the same path)
+    and off-policy behaviour so that some tokens clip."""
+    rows = _prefixed_samples(120, random.Random(5))
+    engine = TorchTrainingEngine(model_dir, learning_rate=0.0, kl_reference=True)
+    rows = _with_behaviour(engine, rows, 1.0)
+    rng = random.Random(6)
+    for s in rows:
+        s.behaviour_logprobs = [
+            v + rng.uniform(-0.3, 0.3) if m else 0.0
+            for v, m in zip(s.behaviour_logprobs, s.loss_mask, strict=True)
+        ]
+    config = UpdateConfig(loss_normalization=normalization, kl_coef=0.1, grad_clip=None)  # type: ignore[arg-type]
+    calls = _model_calls(engine)
+    shared_metrics, shared = engine.update(rows, config), _grads(engine)
+    assert calls == [(1, 120), (4, 32)]
+    monkeypatch.setattr(torch_engine, "_MIN_SHARED_TOKENS", 10**9)
+    plain_metrics, plain = engine.update(rows, config), _grads(engine)
+    assert calls[2:] == [(4, 152)]
+    assert shared_metrics["clip_frac"] > 0
+    assert shared.keys() == plain.keys()
+    for name, g in plain.items():  # the random tiny model's gradients are ~1e-5: tolerances relative to them
+        atol = 1e-5 * float(g.abs().max())
+        torch.testing.assert_close(shared[name], g, rtol=1e-4, atol=atol, msg=name)
+    for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl", "ratio_mean", "grad_norm"):
+        assert shared_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_shared_prefix_bfloat16_gradient_is_close_to_plain(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = _prefixed_samples(120, random.Random(7))
+    engine = TorchTrainingEngine(model_dir, learning_rate=0.0, dtype="bfloat16")
+    config = UpdateConfig(grad_clip=None)
+    calls = _model_calls(engine)
+    shared_metrics, shared = engine.update(rows, config), _grads(engine)
+    assert len(calls) == 2
+    monkeypatch.setattr(torch_engine, "_MIN_SHARED_TOKENS", 10**9)
+    plain_metrics, plain = engine.update(rows, config), _grads(engine)
+    assert len(calls) == 3
+    diff = torch.cat([(shared[n] - plain[n]).flatten() for n in plain]).norm()
+    assert diff < 0.02 * torch.cat([g.flatten() for g in plain.values()]).norm()
+    assert shared_metrics["entropy"] == pytest.approx(plain_metrics["entropy"], rel=1e-2)

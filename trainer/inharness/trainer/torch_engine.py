@@ -12,6 +12,17 @@ Batches are right-padded and fed without an attention mask: under causal attenti
 attends to the padding after it, so its logits are those of the unpadded sequence, and the forward pass
 takes the same path as the inference engine's (which also runs without a mask).
 
+Shared prefix: agent samples mostly start with the same system prompt, tool schema and chat markup, so
+the rows of a micro-batch often share a long prefix of ``P`` tokens. Under causal attention the hidden
+states, keys and values at positions ``< P`` depend only on those tokens, so they are the same in every row:
+the forward pass runs the prefix once (batch 1, filling a KV cache), broadcasts its keys/values to the
+``b`` rows and runs only the suffixes ``ids[:, P:]`` on top, at positions ``P..W-1`` (as the inference
+engine extends a prompt). The suffix pass gets an explicit causal mask offset by ``P`` (transformers builds
+it when a cache is present) and still needs no padding mask. Prefix logits are computed once, ``[P, V]``,
+and broadcast to the rows. This is the same computation as the plain pass up to float rounding, and
+gradients flow through the cache into the prefix, so they are those of the plain pass too; only micro-batches
+where it saves enough work take it (`_MIN_SHARED_TOKENS`).
+
 Dropout is never active (the model stays in eval mode): the PPO ratio must be exactly 1 on freshly served
 weights, and the inference engine samples without dropout.
 
@@ -36,7 +47,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from inharness.trainer.algorithms import (
     AdvantageEstimator,
@@ -56,6 +67,10 @@ Dtype = Literal["float32", "bfloat16"]
 _CHECKPOINT_FORMAT = 1
 _STATE_FILE = "trainer_state.json"  # written last: its presence marks a complete checkpoint
 _PAD_ID = 0  # any valid id: right padding is never attended to by real tokens and never scored
+# Sharing a prefix of P tokens among b rows saves (b - 1) * P token positions of forward and backward, and
+# costs a second model call, a copy of the prefix keys/values into each row and a masked suffix attention:
+# on the tiny CPU model that overhead is worth 64-96 positions (b=2 breaks even near P=96, b=16 near P=8).
+_MIN_SHARED_TOKENS = 96
 
 
 @dataclass(frozen=True)
@@ -143,13 +158,73 @@ def _check_samples(samples: Sequence[Sample]) -> None:
             raise ValueError(f"sample {k} ({s.rollout_id}): position 0 has no prefix and cannot be trained")
 
 
-def _pad_ids(samples: Sequence[Sample]) -> Tensor:
-    """Right-padded ``input_ids`` ``[b, W]`` (long), ``W`` the longest sample."""
-    width = max(len(s.input_ids) for s in samples)
-    ids = torch.full((len(samples), width), _PAD_ID, dtype=torch.long)
+def _pad_ids(samples: Sequence[Sample]) -> tuple[Tensor, Tensor]:
+    """(right-padded ``input_ids`` ``[b, W]``, lengths ``[b]``), both long, ``W`` the longest sample."""
+    lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.long)
+    ids = torch.full((len(samples), int(lengths.max())), _PAD_ID, dtype=torch.long)
     for row, s in enumerate(samples):
         ids[row, : len(s.input_ids)] = torch.tensor(s.input_ids, dtype=torch.long)
-    return ids
+    return ids, lengths
+
+
+def _common_prefix(ids: Tensor, lengths: Tensor) -> int:
+    """Length of the longest prefix that the rows of ``ids`` ``[b, W]`` share, capped at ``min(lengths) - 1``
+    so that it holds only real tokens and every row keeps at least one after it (the prefix's last logits
+    then score a real token in each row)."""
+    differs = (ids != ids[:1]).any(dim=0).nonzero()
+    shared = int(differs[0]) if len(differs) else ids.shape[1]
+    return min(shared, int(lengths.min()) - 1)
+
+
+def _logits(model: PreTrainedModel, ids: Tensor, prefix: int) -> tuple[Tensor | None, Tensor]:
+    """Raw logits of ``ids`` ``[b, W]`` as (``[prefix, V]`` at positions ``0..prefix-1``, shared by all rows,
+    or None when ``prefix`` is 0; ``[b, W - prefix, V]`` at positions ``prefix..W-1``).
+
+    The prefix runs once as batch 1; its cached keys/values are expanded (not copied) to ``b`` rows, and the
+    suffix pass concatenates its own onto them, so autograd carries the suffix's gradient back into the
+    prefix computation. Positions continue from the cache length."""
+    if prefix == 0:
+        return None, model(input_ids=ids, use_cache=False).logits
+    b = ids.shape[0]
+    # transformers 5.x calls the KV cache argument `cache` (was `past_key_values`).
+    cache = DynamicCache(config=model.config)
+    head = model(input_ids=ids[:1, :prefix], cache=cache, use_cache=True).logits[0]
+    for layer in cache.layers:
+        layer.keys = layer.keys.expand(b, -1, -1, -1)
+        layer.values = layer.values.expand(b, -1, -1, -1)
+    return head, model(input_ids=ids[:, prefix:], cache=cache, use_cache=True).logits
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """float32 ``logits / temperature``; temperature 0 (greedy) and 1 leave the logits as they are."""
+    x = logits.float()
+    return x if temperature in (0.0, 1.0) else x / temperature
+
+
+def _scores(
+    head: Tensor | None, tail: Tensor, ids: Tensor, temperature: float, entropy_mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`_logits` output -> (logprobs ``[b, W - 1]``, entropies ``[b, W - 1]`` where ``entropy_mask`` (bool,
+    same shape) is set, else 0), float32 in target space.
+
+    The shared ``head`` is normalised once and broadcast: its first ``P - 1`` columns score the same tokens
+    in every row, its last scores each row's own token ``ids[:, P]``. Entropies are a metric, without
+    gradient, computed only where some row needs them."""
+    b, prefix = ids.shape[0], 0 if head is None else head.shape[0]
+    x = _scaled(tail[:, :-1], temperature)  # [b, W - P - 1, V]
+    lp = x.gather(-1, ids[:, prefix + 1 :].unsqueeze(-1)).squeeze(-1) - x.logsumexp(dim=-1)
+    ent = token_entropy(x.detach(), entropy_mask[:, prefix:])
+    if head is None:
+        return lp, ent
+    xh = _scaled(head, temperature)  # [P, V]
+    lse = xh.logsumexp(dim=-1)
+    shared = xh[:-1].gather(-1, ids[0, 1:prefix].unsqueeze(-1)).squeeze(-1) - lse[:-1]  # [P - 1]
+    last = xh[-1, ids[:, prefix]] - lse[-1]  # [b]
+    lp = torch.cat([shared.expand(b, -1), last.unsqueeze(1), lp], dim=1)
+    head_mask = entropy_mask[:, :prefix]
+    head_ent = token_entropy(xh.detach(), head_mask.any(dim=0))  # [P]
+    ent = torch.cat([torch.where(head_mask, head_ent, 0.0), ent], dim=1)
+    return lp, ent
 
 
 def _target_space(samples: Sequence[Sample]) -> tuple[Tensor, Tensor]:
@@ -265,21 +340,35 @@ class TorchTrainingEngine:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, model: PreTrainedModel, ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-        """ids ``[b, W]`` -> (logprobs ``[b, W - 1]`` of ``ids[:, 1:]``, scaled logits ``[b, W - 1, V]``),
-        both float32: ``log_softmax(logits.float() / temperature)`` at each next token, the inference
-        engine's convention (temperature 0 = greedy = temperature 1)."""
+    def _forward(
+        self,
+        model: PreTrainedModel,
+        ids: Tensor,
+        lengths: Tensor,
+        temperature: float,
+        entropy_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """ids ``[b, W]`` (row lengths ``[b]``) -> (logprobs ``[b, W - 1]`` of ``ids[:, 1:]``, entropies
+        ``[b, W - 1]`` where ``entropy_mask`` (``[b, W - 1]``) is nonzero, else 0), both float32, of
+        ``log_softmax(logits.float() / temperature)`` at each next token, the inference engine's
+        convention (temperature 0 = greedy = temperature 1). The rows' common prefix is computed once
+        when that saves at least `_MIN_SHARED_TOKENS` token positions (see the module docstring)."""
+        ids = ids.to(self.device)
+        prefix = _common_prefix(ids, lengths)
+        if (ids.shape[0] - 1) * prefix < _MIN_SHARED_TOKENS:
+            prefix = 0
         with self._autocast():
-            logits = model(input_ids=ids.to(self.device), use_cache=False).logits
-        x = logits[:, :-1].float()
-        if temperature not in (0.0, 1.0):
-            x = x / temperature
-        target = ids[:, 1:].to(x.device).unsqueeze(-1)
-        return x.gather(-1, target).squeeze(-1) - x.logsumexp(dim=-1), x
+            head, tail = _logits(model, ids, prefix)
+        if entropy_mask is None:
+            entropy_mask = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.bool)
+        return _scores(head, tail, ids, temperature, entropy_mask.to(self.device).bool())
 
-    def _microbatches(self, samples: Sequence[Sample], budget: int) -> Iterator[tuple[list[int], Tensor]]:
+    def _microbatches(
+        self, samples: Sequence[Sample], budget: int
+    ) -> Iterator[tuple[list[int], Tensor, Tensor]]:
+        """(rows, ids ``[b, W]``, lengths ``[b]``) per micro-batch of ``samples`` within ``budget``."""
         for rows in pack_by_token_budget([len(s.input_ids) for s in samples], budget):
-            yield rows, _pad_ids([samples[i] for i in rows])
+            yield rows, *_pad_ids([samples[i] for i in rows])
 
     @torch.no_grad()
     def logprobs(
@@ -290,8 +379,8 @@ class TorchTrainingEngine:
         measures the train/inference mismatch."""
         _check_samples(samples)
         out: list[Tensor] = [torch.empty(0)] * len(samples)
-        for rows, ids in self._microbatches(samples, max_tokens_per_microbatch):
-            lp, _ = self._forward(self.model, ids, temperature)
+        for rows, ids, lengths in self._microbatches(samples, max_tokens_per_microbatch):
+            lp, _ = self._forward(self.model, ids, lengths, temperature)
             for r, i in enumerate(rows):
                 out[i] = lp[r, : len(samples[i].input_ids) - 1].cpu().clone()
         return out
@@ -400,7 +489,7 @@ class TorchTrainingEngine:
         ratio_max, n_micro, n_scored = 0.0, 0, 0.0
 
         self.optimizer.zero_grad(set_to_none=True)
-        for local_rows, ids in self._microbatches(
+        for local_rows, ids, lengths in self._microbatches(
             [batch.samples[i] for i in rows], config.max_tokens_per_microbatch
         ):
             idx = torch.tensor([rows[r] for r in local_rows], dtype=torch.long)
@@ -411,14 +500,14 @@ class TorchTrainingEngine:
             )
             n_tok = float(m.sum().item())
             with torch.set_grad_enabled(apply):
-                lp, scaled = self._forward(self.model, ids, config.temperature)
+                lp, entropy = self._forward(self.model, ids, lengths, config.temperature, m.bool())
             pg, pg_metrics = clipped_policy_loss(
                 lp, beh, adv, m, clip_low=config.clip_low, clip_high=config.clip_high, weights=w
             )
             loss = pg
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_lp, _ = self._forward(self.reference, ids, config.temperature)
+                    ref_lp, _ = self._forward(self.reference, ids, lengths, config.temperature)
                 kl = aggregate_loss(kl_penalty(lp, ref_lp, "k3"), m, weights=w)
                 if config.kl_coef > 0:
                     loss = loss + config.kl_coef * kl
@@ -428,7 +517,7 @@ class TorchTrainingEngine:
 
             with torch.no_grad():
                 sums["pg_loss"] += float(pg.detach())
-                sums["entropy"] += float(token_entropy(scaled.detach(), m.bool()).sum())
+                sums["entropy"] += float(entropy.sum())
                 sums["logprob_mismatch"] += float(((lp.detach() - beh).abs() * m).sum())
                 for key in _TOKEN_MEANS:
                     sums[key] += pg_metrics[key] * n_tok
