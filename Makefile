@@ -45,6 +45,10 @@ bench-gateway: $(STAMP)
 bench-rollouts: $(STAMP)
 	$(BIN)/python bench/rollouts.py
 
+.PHONY: bench-update
+bench-update: $(STAMP)
+	$(BIN)/python bench/update_prefix.py
+
 # The CRDs, from the spec models: crds/ and the chart's copy (a test fails when they are stale).
 crds: $(STAMP)
 	$(BIN)/inharness operator crds
