@@ -2,7 +2,8 @@
 
 Field names, defaults and stop semantics follow vLLM's ``/v1/completions`` (including ``return_token_ids``,
 ``return_tokens_as_token_ids`` and ``stop_token_ids``), so a real vLLM server is a drop-in replacement.
-Generation runs in a worker thread; streamed tokens cross back to the event loop through an asyncio queue.
+Generation runs on the ``Scheduler``'s thread, which batches concurrent requests and reuses cached prompt
+prefixes (see ``sampling``); streamed tokens cross back to the event loop through an asyncio queue.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from inharness.engine.sampling import Completion, SamplingParams, generate, validate
+from inharness.engine.sampling import Completion, SamplingParams, Scheduler, validate
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 Number = StrictFloat | StrictInt
@@ -89,9 +90,11 @@ def _error(message: str, param: str | None, status: int = 400, kind: str = "BadR
 
 @dataclass
 class EngineState:
-    """What the routes share: the loaded model, its tokenizer and a few counters (read by tests/metrics)."""
+    """What the routes share: the loaded model, its tokenizer, the scheduler that runs it and a few counters
+    (read by tests/metrics; prefix-cache hits and batch sizes are in ``scheduler.stats``)."""
 
     model: PreTrainedModel
+    scheduler: Scheduler
     tokenizer: PreTrainedTokenizerBase
     name: str
     root: str
@@ -122,7 +125,13 @@ def _load_model(model_dir: str, device: str) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
 
 
-def _load(model_dir: str, served_model_name: str | None, device: str | None) -> EngineState:
+def _load(
+    model_dir: str,
+    served_model_name: str | None,
+    device: str | None,
+    prefix_cache_tokens: int,
+    max_batch: int,
+) -> EngineState:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = _load_model(model_dir, device)
@@ -136,6 +145,7 @@ def _load(model_dir: str, served_model_name: str | None, device: str | None) -> 
     primary = tokenizer.eos_token_id
     return EngineState(
         model=model,
+        scheduler=Scheduler(model, prefix_cache_tokens=prefix_cache_tokens, max_batch=max_batch),
         tokenizer=tokenizer,
         name=served_model_name or Path(model_dir).name,
         root=str(model_dir),
@@ -296,23 +306,21 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-def _run_in_thread(
+def _submit(
     state: EngineState,
     job: _Job,
-    on_token: Callable[[int, int, float], None] | None,
+    on_token: Callable[[int, int, float, str | None, str | None], None] | None,
     cancel: threading.Event,
 ) -> asyncio.Future[list[Completion]]:
-    loop = asyncio.get_running_loop()
-    return loop.run_in_executor(
-        None,
-        lambda: generate(
-            state.model, job.prompt_ids, job.params, on_token, cancel=cancel, detokenize=state.detokenize
-        ),
+    return asyncio.wrap_future(
+        state.scheduler.submit(
+            job.prompt_ids, job.params, on_token, cancel=cancel, detokenize=state.detokenize
+        )
     )
 
 
 async def _complete(state: EngineState, job: _Job) -> dict[str, Any]:
-    completions: list[Completion] = await _run_in_thread(state, job, None, threading.Event())
+    completions: list[Completion] = await _submit(state, job, None, threading.Event())
     choices = []
     for i, comp in enumerate(completions):
         out = _ChoiceOutput(state, job, i)
@@ -348,7 +356,7 @@ async def _stream(state: EngineState, job: _Job) -> AsyncIterator[str]:
         ):
             state.aborted += 1
 
-    future = _run_in_thread(state, job, on_token, cancel)
+    future = _submit(state, job, on_token, cancel)
     future.add_done_callback(on_done)
     outputs = [_ChoiceOutput(state, job, i) for i in range(job.params.n)]
     head = {"id": job.request_id, "object": "text_completion", "created": job.created, "model": state.name}
@@ -376,9 +384,20 @@ async def _stream(state: EngineState, job: _Job) -> AsyncIterator[str]:
         cancel.set()
 
 
-def create_app(model_dir: str, *, served_model_name: str | None = None, device: str | None = None) -> FastAPI:
-    """Load the model and tokenizer from ``model_dir`` (eagerly: /health is 200 once this returns)."""
-    state = _load(model_dir, served_model_name, device)
+def create_app(
+    model_dir: str,
+    *,
+    served_model_name: str | None = None,
+    device: str | None = None,
+    prefix_cache_tokens: int = 4096,
+    max_batch: int = 16,
+) -> FastAPI:
+    """Load the model and tokenizer from ``model_dir`` (eagerly: /health is 200 once this returns).
+
+    ``prefix_cache_tokens`` bounds the prefix cache (0: off), ``max_batch`` the rows decoded together (1: one
+    request at a time); see ``Scheduler``.
+    """
+    state = _load(model_dir, served_model_name, device, prefix_cache_tokens, max_batch)
     app = FastAPI(title="inharness engine")
     app.state.engine = state
 
@@ -422,8 +441,9 @@ def create_app(model_dir: str, *, served_model_name: str | None = None, device: 
     @app.post("/inharness/v1/load_weights")
     async def load_weights(req: LoadWeights) -> dict[str, Any]:
         """Swap in new weights (same architecture and tokenizer). Requests already generating finish
-        on the weights they started with; the trainer pauses the gateway around this call so that
-        no harness call straddles two versions."""
+        on the weights they started with, later ones wait for them and then run on the new weights with
+        an emptied prefix cache; the trainer pauses the gateway around this call so that no harness call
+        straddles two versions."""
         loop = asyncio.get_running_loop()
         try:
             model = await loop.run_in_executor(None, _load_model, req.path, state.device)
@@ -431,6 +451,7 @@ def create_app(model_dir: str, *, served_model_name: str | None = None, device: 
             raise BadRequest(f"cannot load weights from {req.path}: {exc}", "path") from exc
         if model.config.vocab_size != state.model.config.vocab_size:
             raise BadRequest("the new weights have a different vocabulary size", "path")
+        state.scheduler.load_model(model)
         state.model, state.root = model, req.path
         state.weight_loads += 1
         return {"loaded": req.path, "weight_loads": state.weight_loads}
@@ -459,7 +480,14 @@ async def _serve_until_done(server: uvicorn.Server, host: str) -> None:
 
 
 def serve(
-    model_dir: str, host: str, port: int, served_model_name: str | None = None, threads: int | None = None
+    model_dir: str,
+    host: str,
+    port: int,
+    served_model_name: str | None = None,
+    threads: int | None = None,
+    *,
+    prefix_cache_tokens: int = 4096,
+    max_batch: int = 16,
 ) -> None:
     """Serve ``model_dir`` until interrupted; prints ``engine ready on http://H:P`` once listening.
 
@@ -469,7 +497,12 @@ def serve(
     """
     if threads is not None:
         torch.set_num_threads(threads)
-    app = create_app(model_dir, served_model_name=served_model_name)
+    app = create_app(
+        model_dir,
+        served_model_name=served_model_name,
+        prefix_cache_tokens=prefix_cache_tokens,
+        max_batch=max_batch,
+    )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     asyncio.run(_serve_until_done(server, host))
 
@@ -480,8 +513,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=4096, help="prefix cache size (0: off)")
+    parser.add_argument("--max-batch", type=int, default=16, help="rows decoded together (1: no batching)")
     args = parser.parse_args(argv)
-    serve(args.model_dir, args.host, args.port, args.served_model_name)
+    serve(
+        args.model_dir,
+        args.host,
+        args.port,
+        args.served_model_name,
+        args.threads,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        max_batch=args.max_batch,
+    )
 
 
 if __name__ == "__main__":
