@@ -1,13 +1,14 @@
 """The generation loop: stopping rules, seeding, batching and the logprob convention."""
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from inharness.engine.sampling import Completion, SamplingParams, generate
+from inharness.engine.sampling import Completion, PrefixCache, SamplingParams, Scheduler, generate
 from inharness.engine.tiny import init_tiny
 
 PROMPT = [300, 75, 417, 893, 220, 16, 10, 17, 28]
@@ -153,3 +154,155 @@ def test_concurrent_calls_are_serialised(model: PreTrainedModel) -> None:
 def test_invalid_inputs_raise(model: PreTrainedModel, prompt: list[int], params: SamplingParams) -> None:
     with pytest.raises(ValueError):
         generate(model, prompt, params)
+
+
+# The scheduler: prefix cache and batching. Its results must be those of `generate` (tokens exactly, logprobs
+# up to float rounding), whatever was cached before and whatever runs beside a request.
+
+
+def assert_same(got: list[Completion], expected: list[Completion]) -> None:
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in expected]
+    for g, e in zip(got, expected, strict=True):
+        assert g.logprobs == pytest.approx(e.logprobs, abs=1e-4)
+
+
+def test_prefix_cache_reuses_a_shared_prefix_and_a_previous_turn(model: PreTrainedModel) -> None:
+    scheduler = Scheduler(model, max_batch=1)
+    shared = list(range(100, 140))
+    first = scheduler.submit([*shared, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0)).result(60)
+    assert (scheduler.stats.prompt_tokens, scheduler.stats.cached_tokens) == (43, 0)
+
+    other = [*shared, 11, 12]  # another prompt with the same system prompt: only its own tokens are computed
+    params = SamplingParams(max_tokens=8, temperature=0)
+    assert_same(scheduler.submit(other, params).result(60), generate(model, other, params))
+    assert scheduler.stats.cached_tokens == 40
+
+    # The next turn extends prompt + response: all of it but the last sampled token is cached.
+    turn = [*shared, 7, 8, 9, *first[0].token_ids, 13, 14, 15]
+    before = scheduler.stats.cached_tokens
+    assert_same(scheduler.submit(turn, params).result(60), generate(model, turn, params))
+    assert scheduler.stats.cached_tokens - before == 43 + 5
+
+    # Sampled requests too: the logprob convention holds on a cached prefix.
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=4, n=2)
+    assert_same(scheduler.submit(other, sampled).result(60), generate(model, other, sampled))
+
+
+def test_prefix_cache_is_a_bounded_lru_that_never_changes_its_tensors() -> None:
+    def kv(ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        t = torch.tensor(ids, dtype=torch.float32).view(1, 1, -1, 1)
+        return [(t, -t)]
+
+    cache = PrefixCache(max_tokens=10)
+    cache.insert([1, 2, 3, 4], kv([1, 2, 3, 4]))
+    cache.insert([1, 2, 3, 4, 5, 6], kv([1, 2, 3, 4, 5, 6]))  # extends the first: replaces it
+    assert (len(cache), cache.tokens) == (1, 6)
+    cache.insert([1, 2], kv([1, 2]))  # already held by the longer entry
+    assert (len(cache), cache.tokens) == (1, 6)
+    hit, got = cache.lookup([1, 2, 3, 9])
+    assert (
+        hit == 3
+        and got[0][0].flatten().tolist() == [1, 2, 3]
+        and got[0][1].flatten().tolist() == [-1, -2, -3]
+    )
+    cache.insert([7, 8, 9], kv([7, 8, 9]))
+    assert cache.tokens == 9
+    cache.lookup([1])  # touch [1..6]: [7, 8, 9] is now the least recently used
+    cache.insert([20, 21], kv([20, 21]))
+    assert cache.tokens == 8 and cache.lookup([7, 8])[0] == 0 and cache.lookup([1, 2])[0] == 2
+    cache.insert(list(range(11)), kv(list(range(11))))  # larger than the whole cache: not kept
+    assert cache.tokens == 8 and cache.lookup([0, 1])[0] == 0
+
+    source = kv([5, 6, 7])  # entries are copies
+    cache.insert([5, 6, 7], source)
+    source[0][0].zero_()
+    assert cache.lookup([5, 6, 7])[1][0][0].flatten().tolist() == [5, 6, 7]
+
+
+def test_generating_from_a_cached_prefix_leaves_the_entry_unchanged(model: PreTrainedModel) -> None:
+    scheduler = Scheduler(model, max_batch=1)
+    scheduler.submit(PROMPT, SamplingParams(max_tokens=1, temperature=0)).result(60)
+    hit, entry = scheduler.prefix_cache.lookup(PROMPT)
+    assert hit == len(PROMPT)
+    saved = [(k.clone(), v.clone()) for k, v in entry]
+    for n in (1, 3):
+        scheduler.submit([*PROMPT, 5, 6], SamplingParams(max_tokens=12, temperature=1.0, n=n)).result(60)
+    assert scheduler.stats.cached_tokens == len(PROMPT) + len(PROMPT) + 1  # the second reuses the first
+    for (k, v), (k0, v0) in zip(
+        entry, saved, strict=True
+    ):  # views of the entry's storage: written if it were
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_concurrent_requests_decode_together_as_if_alone(model: PreTrainedModel) -> None:
+    requests = [
+        (PROMPT, SamplingParams(max_tokens=30, temperature=0)),
+        (PROMPT[:4] + [9] * 25, SamplingParams(max_tokens=12, temperature=0)),
+        ([5, 6], SamplingParams(max_tokens=25, temperature=1.0, seed=3)),
+        (PROMPT * 3, SamplingParams(max_tokens=20, temperature=0.7, top_p=0.8, seed=8, n=3)),
+        ([42] * 17, SamplingParams(max_tokens=40, temperature=1.0, seed=1, stop_token_ids=[7, 11, 19])),
+    ]
+    expected = [generate(model, prompt, params) for prompt, params in requests]
+    scheduler = Scheduler(model, prefix_cache_tokens=0)
+    futures = [scheduler.submit(prompt, params) for prompt, params in requests]
+    for future, want in zip(futures, expected, strict=True):
+        assert_same(future.result(60), want)
+    sizes = scheduler.stats.batch_sizes
+    assert max(sizes) > 1 and max(sizes) <= 7
+    assert sum(sizes.values()) == scheduler.stats.decode_steps
+
+
+def test_max_batch_bounds_the_rows_of_a_step(model: PreTrainedModel) -> None:
+    scheduler = Scheduler(model, max_batch=2)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=2)
+    futures = [scheduler.submit(PROMPT[:k], params) for k in (3, 5, 7, 9)]
+    futures.append(scheduler.submit(PROMPT, SamplingParams(max_tokens=5, temperature=1.0, n=3)))
+    for future in futures:
+        future.result(60)
+    assert set(scheduler.stats.batch_sizes) <= {1, 2, 3}  # a request with more choices runs alone
+
+
+def test_cancel_and_stop_strings_per_request_in_a_batch(model: PreTrainedModel) -> None:
+    cancel = threading.Event()
+    produced: list[int] = []
+
+    def on_token(index: int, token: int, logprob: float, _finish: str | None, _stop: str | None) -> None:
+        produced.append(token)
+        if len(produced) == 5:
+            cancel.set()
+
+    def text(ids: list[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in ids)
+
+    free = generate(model, PROMPT, SamplingParams(max_tokens=30, temperature=1.0, seed=5))[0]
+    stop = text(free.token_ids)[10:12]
+    scheduler = Scheduler(model)
+    long = scheduler.submit([3, 4], SamplingParams(max_tokens=60, temperature=0))
+    aborted = scheduler.submit(PROMPT, SamplingParams(max_tokens=200, temperature=0), on_token, cancel=cancel)
+    stopped = scheduler.submit(
+        PROMPT, SamplingParams(max_tokens=30, temperature=1.0, seed=5, stop=(stop,)), detokenize=text
+    )
+    (out,) = aborted.result(60)
+    assert out.finish_reason == "abort" and out.token_ids == produced and len(produced) == 5
+    (cut,) = stopped.result(60)
+    assert cut.finish_reason == "stop" and cut.stop_str == stop
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)] and len(cut.token_ids) <= 12
+    assert_same(long.result(60), generate(model, [3, 4], SamplingParams(max_tokens=60, temperature=0)))
+
+
+def test_load_model_lets_running_requests_finish_then_serves_new_weights_uncached(
+    model: PreTrainedModel, tmp_path: Path
+) -> None:
+    other = AutoModelForCausalLM.from_pretrained(init_tiny(tmp_path / "other", seed=1)).eval()
+    scheduler = Scheduler(model)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    scheduler.submit(PROMPT, params).result(60)  # cached under the old weights
+    running = scheduler.submit([1, 2, 3], SamplingParams(max_tokens=80, temperature=0))
+    while not running.running():
+        time.sleep(0.001)
+    scheduler.load_model(other)
+    after = scheduler.submit([*PROMPT, 4], params)
+    assert_same(running.result(60), generate(model, [1, 2, 3], SamplingParams(max_tokens=80, temperature=0)))
+    assert_same(after.result(60), generate(other, [*PROMPT, 4], params))
+    assert scheduler.stats.cached_tokens == 0
