@@ -390,6 +390,109 @@ def test_load_weights_swaps_the_served_model_and_back(
     assert complete(engine, **body)["choices"][0]["token_ids"] == before
 
 
+def test_prefix_cache_over_http_and_cleared_by_load_weights(
+    engine: Engine, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    stats = engine.state.scheduler.stats
+    system = list(range(500, 560))
+    body = {"max_tokens": 10, "temperature": 0, "logprobs": 0, "return_token_ids": True}
+    complete(engine, prompt=[*system, 1, 2], **body)
+    before = stats.cached_tokens
+    prompt = [*system, 3, 4, 5]
+    choice = complete(engine, prompt=prompt, **body)["choices"][0]
+    assert stats.cached_tokens - before == len(system)
+    expected = recomputed_logprobs(engine, prompt, choice["token_ids"], 0)
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+
+    other = init_tiny(tmp_path_factory.mktemp("tiny-other") / "tiny", seed=2)
+    try:
+        r = httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": str(other)}, timeout=60)
+        assert r.status_code == 200
+        before = stats.cached_tokens
+        swapped = complete(engine, prompt=prompt, **body)["choices"][0]
+        assert stats.cached_tokens == before  # nothing computed by the old weights is reused
+        new_model = AutoModelForCausalLM.from_pretrained(other).eval()
+        with torch.no_grad():
+            logits = new_model(torch.tensor([prompt + swapped["token_ids"]])).logits[0]
+        logp = torch.log_softmax(logits, dim=-1)
+        fresh = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(swapped["token_ids"])]
+        assert swapped["logprobs"]["token_logprobs"] == pytest.approx(fresh, abs=1e-4)
+    finally:
+        httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": str(tiny_model_dir)}, timeout=60)
+
+
+def concurrently(*calls: Any) -> list[Any]:
+    """Run the callables at once on threads; their results in order."""
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def test_concurrent_requests_are_batched_and_give_the_sequential_results(engine: Engine) -> None:
+    bodies = [
+        {"prompt": PROMPT, "max_tokens": 60, "temperature": 0},
+        {"prompt": [7] * 40 + PROMPT, "max_tokens": 25, "temperature": 0},
+        {"prompt": PROMPT[:3], "max_tokens": 45, "seed": 21},
+        {"prompt": PROMPT * 4, "max_tokens": 30, "seed": 5, "n": 2, "temperature": 0.8, "top_p": 0.9},
+        {"prompt": [99, 98, 97], "max_tokens": 50, "seed": 6, "ignore_eos": True},
+    ]
+    options = {"logprobs": 0, "return_token_ids": True}
+    sequential = [complete(engine, **body, **options)["choices"] for body in bodies]
+    steps = engine.state.scheduler.stats.batch_sizes.copy()
+    together = concurrently(
+        *[lambda body=body: complete(engine, **body, **options)["choices"] for body in bodies]
+    )
+    batched = engine.state.scheduler.stats.batch_sizes - steps
+    assert max(batched) > 1, batched
+    for alone, mixed in zip(sequential, together, strict=True):
+        assert [c["token_ids"] for c in mixed] == [c["token_ids"] for c in alone]
+        assert [c["finish_reason"] for c in mixed] == [c["finish_reason"] for c in alone]
+        for a, m in zip(alone, mixed, strict=True):
+            assert m["logprobs"]["token_logprobs"] == pytest.approx(a["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def test_stream_and_disconnect_beside_other_requests(engine: Engine) -> None:
+    aborted = engine.state.aborted
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    alone = complete(engine, **body)["choices"][0]["token_ids"]
+
+    def leave_early() -> int:
+        payload = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1500, "temperature": 0, "stream": True}
+        received = 0
+        with httpx.stream("POST", f"{engine.url}/v1/completions", json=payload, timeout=60) as response:
+            for line in response.iter_lines():
+                received += line.startswith("data: ")
+                if received == 3:
+                    break
+        return received
+
+    streamed, left, whole = concurrently(
+        lambda: stream(engine, **body),
+        leave_early,
+        lambda: complete(engine, **body)["choices"][0]["token_ids"],
+    )
+    assert left == 3 and whole == alone
+    assert [t for c in streamed for t in c["choices"][0]["token_ids"]] == alone
+    deadline = time.monotonic() + 20
+    while engine.state.aborted == aborted:
+        assert time.monotonic() < deadline, "generation kept running after the client left"
+        time.sleep(0.05)
+
+
 def test_engine_cli_refuses_fewer_than_one_thread(capsys: pytest.CaptureFixture[str]) -> None:
     from inharness.cli import main
 
