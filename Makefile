@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-train ablation test lint fmt bench-gateway bench-rollouts crds deploy-manifests helm-lint images e2e clean
+.PHONY: demo demo-train ablation test lint fmt bench-gateway bench-rollouts bench-engine crds deploy-manifests helm-lint images e2e clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -44,6 +44,10 @@ bench-gateway: $(STAMP)
 
 bench-rollouts: $(STAMP)
 	$(BIN)/python bench/rollouts.py
+
+# The CPU engine on example-shaped rollouts: prefix cache + batching vs one request at a time.
+bench-engine: $(STAMP)
+	$(BIN)/python bench/engine_batching.py
 
 .PHONY: bench-update
 bench-update: $(STAMP)
