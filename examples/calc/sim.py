@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the warmed-up model")
     ap.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon (torch's default 1e-8)")
     args = ap.parse_args(argv)
 
@@ -65,11 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.padding_side = "left"
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    engine = TorchTrainingEngine(args.model, learning_rate=args.lr, seed=args.seed)
+    engine = TorchTrainingEngine(
+        args.model, learning_rate=args.lr, seed=args.seed, kl_reference=args.kl_coef > 0
+    )
     for group in engine.optimizer.param_groups:
         group["eps"] = args.adam_eps
     config = UpdateConfig(
-        loss_normalization="rollout", clip_high=0.28, mini_batches=args.mini_batches, epochs=args.epochs
+        loss_normalization="rollout",
+        clip_high=0.28,
+        mini_batches=args.mini_batches,
+        epochs=args.epochs,
+        kl_coef=args.kl_coef,
     )
     rng = random.Random(args.seed)
     tasks = calc_tasks.load_tasks()
@@ -144,10 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         metrics = engine.update(samples, config)
         n = len(rollouts)
         rewards_per_step.append(sum(r["reward"] for r in rollouts) / n)
+        outcomes: dict[str, set[float]] = {}
+        for r in rollouts:
+            outcomes.setdefault(r["group"], set()).add(r["reward"])
+        mixed = sum(len(v) > 1 for v in outcomes.values()) / len(outcomes)
         print(
             f"step {step}: reward {rewards_per_step[-1]:.2f}"
             f" right-operator {sum(r['right_op'] for r in rollouts) / n:.2f}"
             f" tool-use {sum(len(r['messages']) > 2 for r in rollouts) / n:.2f}"
+            f" mixed-groups {mixed:.2f}"
             f" entropy {metrics['entropy']:.3f} approx_kl {metrics['approx_kl']:.3f}"
             f" ({time.monotonic() - started:.0f}s)",
             flush=True,
