@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr-warmup", type=int, default=0, help="optimizer steps of linear lr warm-up")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the warmed-up model")
     ap.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon (torch's default 1e-8)")
     args = ap.parse_args(argv)
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         mini_batches=args.mini_batches,
         epochs=args.epochs,
         kl_coef=args.kl_coef,
+        lr_warmup_steps=args.lr_warmup,
     )
     rng = random.Random(args.seed)
     tasks = calc_tasks.load_tasks()

@@ -243,6 +243,30 @@ def test_ppo_epochs_and_mini_batches_take_several_clipped_steps(
         assert delta > 0 if s.reward == 1.0 else delta < 0, (s.rollout_id, delta)
 
 
+def test_lr_warmup_ramps_the_rate_by_optimizer_step_and_survives_resume(
+    model_dir: Path, samples: list[Sample], tmp_path: Path
+) -> None:
+    config = UpdateConfig(mini_batches=2, lr_warmup_steps=4)
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
+    assert engine.update(samples, config)["lr"] == pytest.approx(2e-3 / 4)  # steps 1 and 2 of 4
+    assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 / 4)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    resumed = TorchTrainingEngine(model_dir, learning_rate=1e-3)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert resumed.update(samples, config)["lr"] == pytest.approx(1e-3)  # step 4 of 4
+    assert resumed.update(samples, config)["lr"] == pytest.approx(1e-3)  # and no further
+    # AdamW's first step moves weights by about the learning rate whatever the gradient: a tenth of it.
+    ramped, full = (TorchTrainingEngine(model_dir, learning_rate=1e-3) for _ in range(2))
+    before = _params(ramped)
+    ramped.update(samples, UpdateConfig(lr_warmup_steps=10))
+    full.update(samples, UpdateConfig())
+
+    def largest_move(engine: TorchTrainingEngine) -> float:
+        return max(float((p - before[n]).abs().max()) for n, p in _params(engine).items())
+
+    assert largest_move(ramped) == pytest.approx(largest_move(full) / 10, rel=0.05)
+
+
 def test_batch_without_learning_signal_takes_no_step(model_dir: Path, samples: list[Sample]) -> None:
     engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
     engine.update(samples, UpdateConfig())  # AdamW now has momentum that a zero-gradient step would apply
@@ -376,6 +400,8 @@ def test_invalid_inputs_are_rejected(model_dir: Path, samples: list[Sample]) -> 
         UpdateConfig(loss_normalization="batch")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="mini_batches and epochs"):
         UpdateConfig(mini_batches=0)
+    with pytest.raises(ValueError, match="lr_warmup_steps"):
+        UpdateConfig(lr_warmup_steps=-1)
     assert engine.step == 0
 
 

@@ -89,6 +89,11 @@ class UpdateConfig:
     ``mini_batches`` parts, one optimizer step each, and the whole pass repeats ``epochs`` times. With
     one of each the importance ratio is exactly 1 (fresh weights), so the clip never acts and the update
     is REINFORCE with a baseline; more steps per batch are what the clip is for.
+    ``lr_warmup_steps``: the learning rate rises linearly over this many optimizer steps, from
+    ``lr / lr_warmup_steps`` at the first to the engine's ``learning_rate``; 0: the full rate at once.
+    AdamW's first steps move every weight by about the learning rate whatever its gradient's size (the
+    second-moment estimate has seen a few gradients only), which can break a small policy's format in one
+    update; the ramp lets that estimate fill before the steps get large.
     """
 
     estimator: AdvantageEstimator = "grpo"
@@ -103,6 +108,7 @@ class UpdateConfig:
     grad_clip: float | None = 1.0
     mini_batches: int = 1
     epochs: int = 1
+    lr_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -124,6 +130,8 @@ class UpdateConfig:
             raise ValueError("grad_clip must be positive or None")
         if self.mini_batches < 1 or self.epochs < 1:
             raise ValueError("mini_batches and epochs must be at least 1")
+        if self.lr_warmup_steps < 0:
+            raise ValueError("lr_warmup_steps must be non-negative")
 
 
 def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -331,6 +339,7 @@ class TorchTrainingEngine:
         self.reference: PreTrainedModel | None = None
         if kl_reference:
             self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.learning_rate = learning_rate
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=learning_rate, weight_decay=weight_decay
         )
@@ -403,7 +412,8 @@ class TorchTrainingEngine:
         ``logprob_mismatch`` (mean abs difference between current and behaviour logprobs: ~0 on freshly
         served weights with one step per batch, growing with policy lag and with later mini-batches).
         ``advantage_mean`` / ``advantage_std`` are over samples with generated tokens; ``tokens``,
-        ``samples``, ``microbatches``, ``optimizer_steps``, ``step`` are counts. A batch without any
+        ``samples``, ``microbatches``, ``optimizer_steps``, ``step`` are counts; ``lr`` is the learning
+        rate of the last optimizer step (see ``lr_warmup_steps``). A batch without any
         learning signal (all advantages zero, no KL term) is measured but takes no step.
         """
         if not samples:
@@ -469,6 +479,7 @@ class TorchTrainingEngine:
             "microbatches": float(n_micro),
             "optimizer_steps": float(n_steps_taken),
             "step": float(self.step),
+            "lr": self.lr_at(max(self.step - 1, 0), config),
         }
         for key in ("entropy", "logprob_mismatch", *_TOKEN_MEANS):
             metrics[key] = sums[key] / scored
@@ -538,6 +549,9 @@ class TorchTrainingEngine:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        lr = self.lr_at(self.step, config)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.step += 1
         return {
@@ -547,6 +561,13 @@ class TorchTrainingEngine:
             "microbatches": float(n_micro),
             "tokens": n_scored,
         }
+
+    def lr_at(self, step: int, config: UpdateConfig) -> float:
+        """The learning rate of optimizer step ``step`` (0-based): a function of the step counter alone,
+        so a resumed run continues the warm-up where the checkpoint left it."""
+        if config.lr_warmup_steps == 0:
+            return self.learning_rate
+        return self.learning_rate * min(1.0, (step + 1) / config.lr_warmup_steps)
 
     def save_pretrained(self, out_dir: str | Path) -> Path:
         """Write the current policy as a Hugging Face model directory (float32 weights, config,
