@@ -4,6 +4,8 @@ cleanup, parallelism, stop, and lost leases."""
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -375,3 +377,204 @@ async def test_lost_lease_stops_the_harness_and_its_refused_completion_is_ignore
     assert (ctrl.failed, ctrl.unreported, dict(ctrl.failed_by_reason)) == (1, 1, {"lease lost": 1})
     assert any("lease lost" in line for line in logs)
     assert any("completion refused" in line for line in logs)
+
+
+# --- spec.local.preload: harnesses forked from a preload process ------------------------------------
+
+PRELOAD = {"local": {"preload": ["preload_marker"]}}
+PER_ATTEMPT = {
+    "INHARNESS_ATTEMPT_ID",
+    "INHARNESS_ROLLOUT_ID",
+    "INHARNESS_TASK",
+    "INHARNESS_TASK_FILE",
+    "INHARNESS_RESULT_FILE",
+    "OPENAI_API_KEY",
+}
+
+
+@pytest.fixture
+def marker_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where preload_marker.py notes each import; set in this process's environment, which the
+    preload process inherits (the harness's own env reaches only the attempts)."""
+    marks = tmp_path / "marks.txt"
+    monkeypatch.setenv("PRELOAD_MARKER_FILE", str(marks))
+    return marks
+
+
+def importers(marker_file: Path) -> list[int]:
+    """The pids that imported preload_marker, once per import."""
+    return [int(pid) for pid in marker_file.read_text().split()]
+
+
+def preload_processes() -> list[int]:
+    """Live preload processes of this test process. Its forked harnesses show the same command line
+    (and the same /proc environ) as it, but are its children, not ours."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            ours = int(stat[stat.rfind(")") + 2 :].split()[1]) == os.getpid()
+            if ours and b"preload.py" in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+async def test_preloaded_harnesses_end_as_exec_ones_do(
+    gateway: Server, tmp_path: Path, marker_file: Path
+) -> None:
+    """inproc.py runs each behaviour in the forked process itself: success, crash, a hang with a
+    child past its timeout, a broken result file; the same outcomes as the exec'd batch above."""
+    mark = uuid.uuid4().hex
+    harness = harness_spec(mark, tmp_path, command=[PY, "inproc.py"], timeoutSeconds=3)
+    tasks: list[dict[str, Any]] = [
+        {"run": "good", "question": "What is 2+3?", "reward": 0.5},
+        {"run": "crash"},
+        {"run": "hang"},
+        {"run": "bad_result", "write": "garbage"},
+        {"run": "probe"},
+    ]
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        created = await client.create_rollouts(tasks, pool="preload-mixed", max_attempts=1)
+        pool = {"parallelism": 3, **PRELOAD}
+        ctrl, _, logs = controller(gateway, client, "preload-mixed", pool, harness, tmp_path)
+        with ProcessWatch(mark) as watch:
+            outs = await run_batch(ctrl, client, [r.id for r in created])
+            assert watch.live() == {}
+
+    good, crash, hang, garbage, probe = outs
+    assert (good.status, good.reward) == ("succeeded", 0.5)
+    assert probe.attempts[0].info["result"]["seen"]["preloaded"], "the harness was not forked"
+    reasons = [o.attempts[0].failure_reason for o in (crash, hang, garbage)]
+    assert reasons[:2] == ["exited with code 3", "timed out after 3s"]
+    assert (reasons[2] or "").startswith("result file is not valid JSON: ")
+    assert crash.attempts[0].info["exit_code"] == 3
+    assert "boom: the harness fell over" in crash.attempts[0].info["stderr_tail"]
+    [pids] = hung_pids(tmp_path)
+    assert not alive(pids["pid"]) and not alive(pids["child"]), "the hung harness's group survived"
+    assert len(importers(marker_file)) == 1
+    assert not any("preload" in line for line in logs), logs
+
+
+async def test_preloaded_modules_are_imported_once_not_per_attempt(
+    gateway: Server, tmp_path: Path, marker_file: Path
+) -> None:
+    harness = harness_spec(uuid.uuid4().hex, tmp_path, command=[PY, "probe.py"])
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        created = await client.create_rollouts([{}] * 3, pool="preload-once", max_attempts=1)
+        ctrl, _, _ = controller(
+            gateway, client, "preload-once", {"parallelism": 2, **PRELOAD}, harness, tmp_path
+        )
+        outs = await run_batch(ctrl, client, [r.id for r in created])
+    assert [o.status for o in outs] == ["succeeded"] * 3
+    seen = [o.attempts[0].info["result"]["seen"] for o in outs]
+    [importer] = importers(marker_file)
+    assert {s["ppid"] for s in seen} == {importer}, "each attempt is a child of the one importer"
+    assert all(s["preloaded"] for s in seen)
+
+
+async def test_a_preloaded_harness_sees_what_an_execd_one_sees(
+    gateway: Server, tmp_path: Path, marker_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python probe.py` as `inharness run` runs it: this interpreter's folder first on PATH."""
+    monkeypatch.setenv("PATH", f"{Path(PY).parent}{os.pathsep}{os.environ['PATH']}")
+    harness = harness_spec(uuid.uuid4().hex, tmp_path, command=["python", "probe.py"], args=["-v", "a b"])
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        plain = await client.create_rollouts([{}], pool="probe-plain", max_attempts=1)
+        forked = await client.create_rollouts([{}], pool="probe-forked", max_attempts=1)
+        p_ctrl, _, _ = controller(gateway, client, "probe-plain", {}, harness, tmp_path / "p")
+        f_ctrl, _, logs = controller(gateway, client, "probe-forked", PRELOAD, harness, tmp_path / "f")
+        [p_out] = await run_batch(p_ctrl, client, [plain[0].id])
+        [f_out] = await run_batch(f_ctrl, client, [forked[0].id])
+    assert logs == []
+    p, f = (o.attempts[0].info["result"]["seen"] for o in (p_out, f_out))
+    assert (p["preloaded"], f["preloaded"]) == (False, True)
+    assert p["argv"] == ["probe.py", "-v", "a b"]
+    assert f["argv"] == [str(HARNESSES / "probe.py"), "-v", "a b"], "argv[0] is the absolute path"
+    for key in ("cwd", "name", "file", "path0"):
+        assert p[key] == f[key], key
+    assert p["name"] == "__main__" and p["file"] == str(HARNESSES / "probe.py")
+    for s in (p, f):
+        assert s["pid"] == s["pgid"] == s["sid"], "its own session and process group"
+    assert p["ppid"] == os.getpid() and f["ppid"] != os.getpid()
+    drop = lambda env: {k: v for k, v in env.items() if k not in PER_ATTEMPT}  # noqa: E731
+    assert drop(p["env"]) == drop(f["env"])
+    assert p["env"].keys() == f["env"].keys()
+
+
+async def test_a_command_preload_cannot_fork_runs_as_usual_with_one_line_saying_why(
+    gateway: Server, tmp_path: Path, marker_file: Path
+) -> None:
+    write = 'echo \'{"reward": 0.5}\' > "$INHARNESS_RESULT_FILE"'
+    harness = harness_spec(uuid.uuid4().hex, tmp_path, command=["/bin/sh", "-c", write])
+    unimportable = {"local": {"preload": ["no_such_module_here"]}}
+    probe = harness_spec(uuid.uuid4().hex, tmp_path, command=[PY, "probe.py"])
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        sh = await client.create_rollouts([{}] * 2, pool="preload-sh", max_attempts=1)
+        bad = await client.create_rollouts([{}] * 2, pool="preload-bad", max_attempts=1)
+        sh_ctrl, _, sh_logs = controller(gateway, client, "preload-sh", PRELOAD, harness, tmp_path)
+        bad_ctrl, _, bad_logs = controller(gateway, client, "preload-bad", unimportable, probe, tmp_path)
+        sh_outs = await run_batch(sh_ctrl, client, [r.id for r in sh])
+        bad_outs = await run_batch(bad_ctrl, client, [r.id for r in bad])
+    assert [(o.status, o.reward) for o in sh_outs] == [("succeeded", 0.5)] * 2
+    assert sh_logs == [
+        f"pool preload-sh: spec.local.preload not used: /bin/sh is not this interpreter ({PY})"
+    ]
+    assert [o.status for o in bad_outs] == ["succeeded"] * 2
+    assert not any(o.attempts[0].info["result"]["seen"]["preloaded"] for o in bad_outs)
+    [line] = bad_logs
+    assert line.startswith(
+        "pool preload-bad: spec.local.preload not used: preload process: cannot import no_such_module_here: "
+        "ModuleNotFoundError"
+    ), line
+
+
+async def test_stop_leaves_no_preload_process_nor_harness(
+    gateway: Server, tmp_path: Path, marker_file: Path
+) -> None:
+    mark = uuid.uuid4().hex
+    harness = harness_spec(mark, tmp_path, command=[PY, "hang.py"], timeoutSeconds=60)
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        await client.create_rollouts([{}] * 2, pool="preload-stop", max_attempts=1)
+        ctrl, finished, _ = controller(
+            gateway, client, "preload-stop", {"parallelism": 2, **PRELOAD}, harness, tmp_path
+        )
+        stop = asyncio.Event()
+        with ProcessWatch(mark) as watch:
+            running = asyncio.create_task(ctrl.run(stop))
+            await until(lambda: len(hung_pids(tmp_path)) == 2)
+            [zygote] = preload_processes()
+            stop.set()
+            await asyncio.wait_for(running, 15)
+            assert watch.live() == {}, "a harness process survived stop"
+    assert not alive(zygote) and preload_processes() == []
+    assert not any(alive(p["pid"]) or alive(p["child"]) for p in hung_pids(tmp_path))
+    assert [o.reason for _, o in finished] == ["stopped", "stopped"]
+
+
+async def test_a_dead_preload_process_fails_its_attempts_and_the_next_one_restarts_it(
+    gateway: Server, tmp_path: Path, marker_file: Path
+) -> None:
+    mark = uuid.uuid4().hex
+    harness = harness_spec(mark, tmp_path, command=[PY, "inproc.py"], timeoutSeconds=60)
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        [hung] = await client.create_rollouts([{"run": "hang"}], pool="preload-dies", max_attempts=1)
+        ctrl, _, logs = controller(gateway, client, "preload-dies", PRELOAD, harness, tmp_path)
+        stop = asyncio.Event()
+        with ProcessWatch(mark) as watch:
+            running = asyncio.create_task(ctrl.run(stop))
+            await until(lambda: bool(hung_pids(tmp_path)))
+            [zygote] = preload_processes()
+            os.kill(zygote, signal.SIGKILL)
+            [out] = await finished_rollouts(client, [hung.id], 20)
+            assert watch.live() == {}, "the orphaned harness group survived"
+            [probe] = await client.create_rollouts([{"run": "probe"}], pool="preload-dies", max_attempts=1)
+            [after] = await finished_rollouts(client, [probe.id], 20)
+            stop.set()
+            await asyncio.wait_for(running, 15)
+    assert out.attempts[0].failure_reason == "preload process killed by signal SIGKILL"
+    assert after.status == "succeeded" and after.attempts[0].info["result"]["seen"]["preloaded"]
+    assert logs == ["pool preload-dies: preload process killed by signal SIGKILL; starting a new one"]
+    assert len(importers(marker_file)) == 2
+    assert preload_processes() == []

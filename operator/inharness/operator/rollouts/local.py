@@ -3,16 +3,23 @@
 Each harness (and grader) gets its own process group, so a timeout, a stop or a lost lease ends it
 together with whatever it started; nothing is left running once an attempt is reported. Files of an
 attempt (task, result, stdout, stderr) stay in `work_dir/<attempt id>/` for inspection.
+
+With `spec.local.preload`, a `python SCRIPT` harness is forked from a preload process (`Zygote`,
+preload.py) that imported those modules once, instead of exec'd; either way `_run` gets a pid that
+leads its own process group and an awaitable exit code, and ends the group the same way.
 """
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
+import shutil
 import signal
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +34,7 @@ KEY_PLACEHOLDER = "inharness-key-is-in-the-url"
 
 STDERR_TAIL_BYTES = 2048
 MAX_RESULT_BYTES = 1 << 20
+PRELOAD_SCRIPT = Path(__file__).with_name("preload.py")
 
 
 class _Failed(Exception):
@@ -53,7 +61,7 @@ class NoReward(ValueError):
 class _Exit:
     """How one child process ended."""
 
-    how: Literal["exited", "timeout", "aborted", "unstartable"]
+    how: Literal["exited", "timeout", "aborted", "unstartable", "lost"]
     code: int | None = None
     error: str = ""
 
@@ -92,6 +100,22 @@ class LocalRolloutController(ClaimingController):
         self.kill_grace_seconds = kill_grace_seconds
         wd = Path(harness.working_dir).expanduser() if harness.working_dir else None
         self.cwd = self.base_dir if wd is None else wd if wd.is_absolute() else self.base_dir / wd
+        self._zygote: Zygote | None = None
+        self._zygote_lock = asyncio.Lock()
+        if pool.local.preload:
+            base_env = {**os.environ, **{e.name: e.value for e in harness.env}}
+            refusal = preload_refusal([*harness.command, *harness.args], base_env, self.cwd)
+            if refusal is None:
+                self._zygote = Zygote(pool.local.preload, self.cwd, self.work_dir / "preload.log")
+            else:
+                self.log(f"pool {pool_name}: spec.local.preload not used: {refusal}")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await super().run(stop)
+        finally:
+            if self._zygote is not None:
+                await self._zygote.close()
 
     async def execute(self, attempt: ClaimedAttempt, abort: Abort) -> Outcome:
         adir = self.work_dir / attempt.id
@@ -109,7 +133,8 @@ class LocalRolloutController(ClaimingController):
             env[outcome.result_file_env] = str(result)
         stdout, stderr = adir / "stdout.log", adir / "stderr.log"
 
-        ran = await self._run([*h.command, *h.args], env, stdout, stderr, h.timeout_seconds, abort)
+        argv, zygote = [*h.command, *h.args], await self._ready_zygote()
+        ran = await self._run(argv, env, stdout, stderr, h.timeout_seconds, abort, zygote=zygote)
         info: dict[str, Any] = {"exit_code": ran.code}
         try:
             self._check_ended(ran, h.timeout_seconds, abort, "")
@@ -178,6 +203,8 @@ class LocalRolloutController(ClaimingController):
         """Raise the reason a process did not run to its own exit, or was killed by a signal."""
         if ran.how == "unstartable":
             raise _Failed(f"{who}could not start: {ran.error}")
+        if ran.how == "lost":
+            raise _Failed(f"{who}{ran.error}")
         if ran.how == "timeout":
             raise _Failed(f"{who}timed out after {timeout}s")
         if ran.how == "aborted":
@@ -206,25 +233,42 @@ class LocalRolloutController(ClaimingController):
             env[t.file_env] = str(file)
         return env
 
+    async def _ready_zygote(self) -> "Zygote | None":
+        """The running preload process, started (again) if need be; None: exec the harness."""
+        async with self._zygote_lock:
+            zygote = self._zygote
+            if zygote is None or zygote.running:
+                return zygote
+            if zygote.ended:
+                self.log(f"pool {self.pool_name}: {zygote.ended}; starting a new one")
+            try:
+                await zygote.start()
+            except PreloadError as exc:
+                self.log(f"pool {self.pool_name}: spec.local.preload not used: {exc}")
+                self._zygote = None
+                return None
+            return zygote
+
     async def _run(
-        self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path, limit_s: float, abort: Abort
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout: Path,
+        stderr: Path,
+        limit_s: float,
+        abort: Abort,
+        *,
+        zygote: "Zygote | None" = None,
     ) -> _Exit:
         """Run one child in its own process group until it exits, times out or is aborted; in every
         case (cancellation included) the whole group is gone when this returns."""
         try:
-            with stdout.open("wb") as out, stderr.open("wb") as err:
-                proc = await asyncio.create_subprocess_exec(
-                    *argv,
-                    cwd=self.cwd,
-                    env=env,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                )
+            pid, exit_code = await self._start(argv, env, stdout, stderr, zygote)
         except OSError as exc:
             return _Exit("unstartable", error=str(exc))
-        exited = asyncio.create_task(proc.wait())
+        except PreloadError as exc:
+            return _Exit("lost", error=str(exc))
+        exited = asyncio.ensure_future(exit_code)
         aborted = asyncio.create_task(abort.wait())
         how: Literal["exited", "timeout", "aborted"] = "timeout"
         try:
@@ -234,10 +278,31 @@ class LocalRolloutController(ClaimingController):
             how = "exited" if exited in done else "aborted" if aborted in done else "timeout"
         finally:
             aborted.cancel()
-            await self._end_group(proc.pid, exited)
-        return _Exit(how, proc.returncode)
+            await self._end_group(pid, exited)
+        lost = exited.exception()
+        if lost is not None:
+            return _Exit("lost" if how == "exited" else how, error=str(lost))
+        return _Exit(how, exited.result())
 
-    async def _end_group(self, pgid: int, exited: "asyncio.Task[int]") -> None:
+    async def _start(
+        self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path, zygote: "Zygote | None"
+    ) -> tuple[int, Awaitable[int]]:
+        """(pid, its exit code) of a new process group leader running argv."""
+        if zygote is not None:
+            return await zygote.spawn(argv[1:], env, self.cwd, stdout, stderr)
+        with stdout.open("wb") as out, stderr.open("wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=self.cwd,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+        return proc.pid, proc.wait()
+
+    async def _end_group(self, pgid: int, exited: "asyncio.Future[int]") -> None:
         """SIGTERM the group, give it the grace period, SIGKILL what is left. A group whose leader
         exited by itself only loses its stragglers."""
         if not exited.done():
@@ -245,7 +310,7 @@ class LocalRolloutController(ClaimingController):
             await _poll_until(lambda: exited.done() and not _group_alive(pgid), self.kill_grace_seconds)
         if not exited.done() or _group_alive(pgid):
             _killpg(pgid, signal.SIGKILL)
-        await exited
+        await asyncio.wait([exited])
 
         def gone() -> bool:
             if not _group_alive(pgid):
@@ -255,6 +320,156 @@ class LocalRolloutController(ClaimingController):
 
         if not await _poll_until(gone, 10.0):
             self.log(f"process group {pgid} still has live processes after SIGKILL")
+
+
+class PreloadError(Exception):
+    """The preload process cannot serve: it failed to start, or died."""
+
+
+class Zygote:
+    """Controller side of one preload process (preload.py): `spawn` forks a harness from it and
+    gives its pid and exit code. Restartable: `start` again after it ended (`ended` says how)."""
+
+    def __init__(self, modules: list[str], cwd: Path, log_file: Path) -> None:
+        self.modules = modules
+        self.cwd = cwd
+        self.log_file = log_file
+        self.ended = ""
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._started: dict[str, asyncio.Future[int]] = {}
+        self._exits: dict[str, asyncio.Future[int]] = {}
+        self._ids = itertools.count()
+
+    @property
+    def running(self) -> bool:
+        return self._reader is not None and not self._reader.done()
+
+    async def start(self) -> None:
+        """Start it and wait until its modules are imported; PreloadError says why it cannot serve.
+        Its stderr (tracebacks, what preloaded code prints) goes to `log_file`."""
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_file.open("ab") as log:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(PRELOAD_SCRIPT),
+                *self.modules,
+                cwd=self.cwd,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+            )
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        hello = json.loads(line) if line else {"error": _ended(await proc.wait())}
+        if "error" in hello:
+            await _close(proc)
+            raise PreloadError(f"preload process: {hello['error']} (log: {self.log_file})")
+        self._proc, self.ended = proc, ""
+        self._reader = asyncio.create_task(self._read(proc))
+
+    async def spawn(
+        self, args: list[str], env: dict[str, str], cwd: Path, stdout: Path, stderr: Path
+    ) -> tuple[int, "asyncio.Future[int]"]:
+        """Run `python *args` forked: (pid, exit code). OSError where exec would raise one (a missing
+        cwd), PreloadError when the preload process is gone; the exit code raises PreloadError if it
+        dies before the child ends. A cancelled spawn kills its child's group once its pid arrives."""
+        proc = self._proc
+        if proc is None or not self.running:
+            raise PreloadError(self.ended or "preload process not started")
+        assert proc.stdin is not None
+        key, loop = str(next(self._ids)), asyncio.get_running_loop()
+        started, exited = loop.create_future(), loop.create_future()
+        self._started[key], self._exits[key] = started, exited
+        request = {"id": key, "argv": args, "env": env, "cwd": str(cwd), "stdin": os.devnull}
+        request |= {"stdout": str(stdout), "stderr": str(stderr)}
+        with contextlib.suppress(ConnectionError):  # the reader fails `started` when it is gone
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+            await proc.stdin.drain()
+        try:
+            return await asyncio.shield(started), exited
+        except asyncio.CancelledError:
+            started.add_done_callback(_kill_started)
+            raise
+
+    async def close(self) -> None:
+        """EOF on its stdin ends it (killing what is left of its children's groups first)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            await _close(proc)
+        if self._reader is not None:
+            await asyncio.wait([self._reader])
+
+    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+        """Route replies to their futures; once it ends (or is cancelled), fail the futures left."""
+        assert proc.stdout is not None
+        try:
+            while line := await proc.stdout.readline():
+                reply = json.loads(line)
+                key = reply["id"]
+                if "pid" in reply:
+                    self._started.pop(key).set_result(reply["pid"])
+                elif "error" in reply:
+                    self._exits.pop(key)
+                    self._started.pop(key).set_exception(OSError(reply["error"]))
+                else:
+                    self._exits.pop(key).set_result(reply["exit"])
+            self.ended = _ended(await proc.wait())
+        finally:
+            lost = PreloadError(self.ended or "preload process abandoned")
+            for future in [*self._started.values(), *self._exits.values()]:
+                if not future.done():
+                    future.set_exception(lost)
+            self._started.clear()
+            self._exits.clear()
+
+
+def _ended(code: int) -> str:
+    how = f"killed by signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+    return f"preload process {how}"
+
+
+def _kill_started(started: "asyncio.Future[int]") -> None:
+    if started.exception() is None:
+        _killpg(started.result(), signal.SIGKILL)
+
+
+async def _close(proc: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        await asyncio.wait_for(proc.wait(), grace_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+
+
+def preload_refusal(argv: list[str], env: dict[str, str], cwd: Path) -> str | None:
+    """Why argv cannot be forked from a preload process, or None: it must be this interpreter (the
+    same file in the same environment, as exec would find it on env's PATH) running a script or a
+    module, and env must not change what an interpreter reads only at its start."""
+    name = argv[0]
+    exe = str(cwd / name) if os.sep in name else shutil.which(name, path=env.get("PATH", os.defpath))
+    if exe is None or not _same_interpreter(exe):
+        return f"{name} is not this interpreter ({sys.executable})"
+    rest = argv[1:]
+    if not ((rest[:1] == ["-m"] and len(rest) > 1) or (rest and not rest[0].startswith("-"))):
+        return "the command is not `python SCRIPT ...` or `python -m MODULE ...`"
+    changed = sorted(k for k, v in env.items() if k.startswith("PYTHON") and v != os.environ.get(k))
+    if changed:
+        return f"the harness's env sets {', '.join(changed)}, read by an interpreter only at its start"
+    return None
+
+
+def _same_interpreter(exe: str) -> bool:
+    """Same file and same folder: a venv's python is a link to the base interpreter, but finds its
+    packages through the folder it was started from."""
+    here = sys.executable
+    try:
+        same_file = os.path.samefile(exe, here)
+    except OSError:
+        return False
+    return same_file and os.path.realpath(os.path.dirname(exe)) == os.path.realpath(os.path.dirname(here))
 
 
 async def _poll_until(done: Callable[[], bool], limit_s: float, every_s: float = 0.02) -> bool:
