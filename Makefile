@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-train ablation test lint fmt bench-gateway bench-rollouts bench-engine crds deploy-manifests helm-lint images e2e clean
+.PHONY: demo demo-train ablation test lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -44,6 +44,9 @@ bench-gateway: $(STAMP)
 
 bench-rollouts: $(STAMP)
 	$(BIN)/python bench/rollouts.py
+
+bench-harness-start: $(STAMP)
+	$(BIN)/python bench/harness_start.py
 
 # The CPU engine on example-shaped rollouts: prefix cache + batching vs one request at a time.
 bench-engine: $(STAMP)

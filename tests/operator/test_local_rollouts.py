@@ -21,7 +21,7 @@ from testsupport import Server, gateway_server, start_engine
 from inharness.gateway.client import GatewayClient
 from inharness.gateway.schema import ClaimedAttempt, RolloutOut
 from inharness.operator.rollouts import Outcome
-from inharness.operator.rollouts.local import LocalRolloutController
+from inharness.operator.rollouts.local import LocalRolloutController, Zygote, preload_refusal
 from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
 
 HARNESSES = Path(__file__).parent / "harnesses"
@@ -578,3 +578,93 @@ async def test_a_dead_preload_process_fails_its_attempts_and_the_next_one_restar
     assert logs == ["pool preload-dies: preload process killed by signal SIGKILL; starting a new one"]
     assert len(importers(marker_file)) == 2
     assert preload_processes() == []
+
+
+# --- the preload process on its own: protocol and interpreter semantics -------------------------------
+
+CHILD_SCRIPTS = {
+    "ok.py": "import atexit, threading, time\n"
+    "atexit.register(print, 'atexit ran')\n"
+    "threading.Thread(target=lambda: (time.sleep(0.2), print('thread joined'))).start()\n",
+    "exit_msg.py": "import sys\nsys.exit('bad thing')\n",
+    "raises.py": "raise ValueError('nope')\n",
+    "exit_300.py": "raise SystemExit(300)\n",
+    "killed.py": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+    "signals.py": "import signal\n"
+    "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "
+    "signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n",
+    "modx.py": "import sys\nprint(__name__, sys.argv)\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "out", "err"),
+    [
+        (["ok.py"], 0, "atexit ran", ""),
+        (["ok.py"], 0, "thread joined", ""),
+        (["exit_msg.py"], 1, "", "bad thing"),
+        (["raises.py"], 1, "", "ValueError: nope"),
+        (["exit_300.py"], 44, "", ""),
+        (["killed.py"], -9, "", ""),
+        (["signals.py"], 0, "True True", ""),
+        (["-m", "modx", "arg"], 0, "__main__ ['{tmp}/modx.py', 'arg']", ""),
+        (["missing.py"], 2, "", "can't open file '{tmp}/missing.py'"),
+    ],
+    ids=["atexit", "threads", "exit-message", "traceback", "exit-300", "signal", "signals", "-m", "missing"],
+)
+async def test_a_forked_child_exits_as_the_interpreter_would(
+    tmp_path: Path, args: list[str], code: int, out: str, err: str
+) -> None:
+    for name, text in CHILD_SCRIPTS.items():
+        (tmp_path / name).write_text(text)
+    zygote = Zygote([], tmp_path, tmp_path / "preload.log")
+    await zygote.start()
+    try:
+        stdout, stderr = tmp_path / "out.log", tmp_path / "err.log"
+        _, exited = await zygote.spawn(args, dict(os.environ), tmp_path, stdout, stderr)
+        assert await asyncio.wait_for(exited, 20) == code
+    finally:
+        await zygote.close()
+    assert out.format(tmp=tmp_path) in stdout.read_text()
+    assert err.format(tmp=tmp_path) in stderr.read_text()
+    assert preload_processes() == []
+
+
+async def test_spawn_refuses_a_missing_cwd_and_eof_ends_the_preload_process_with_its_children(
+    tmp_path: Path,
+) -> None:
+    zygote = Zygote([], tmp_path, tmp_path / "preload.log")
+    await zygote.start()
+    with pytest.raises(OSError, match="No such file or directory"):
+        await zygote.spawn(["x.py"], {}, tmp_path / "gone", tmp_path / "o", tmp_path / "e")
+    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(60)\n")
+    pid, exited = await zygote.spawn(["sleep.py"], {}, tmp_path, tmp_path / "o", tmp_path / "e")
+    [preload] = preload_processes()
+    await zygote.close()
+    assert not alive(pid) and not alive(preload)
+    assert zygote.ended == "preload process exited with code 0" and not zygote.running
+    assert str(exited.exception()) == zygote.ended, "an exit code it could not report fails, not hangs"
+
+
+def test_preload_refusal_names_what_cannot_be_forked(tmp_path: Path) -> None:
+    here = str(Path(PY).parent)
+    env = {"PATH": here}
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(PY)
+    assert preload_refusal([PY, "h.py", "-x"], env, tmp_path) is None
+    assert preload_refusal(["python", "h.py"], env, tmp_path) is None
+    assert preload_refusal(["python", "-m", "pkg.mod"], env, tmp_path) is None
+    assert preload_refusal(["python", "-c", "pass"], env, tmp_path) == (
+        "the command is not `python SCRIPT ...` or `python -m MODULE ...`"
+    )
+    assert preload_refusal(["python"], env, tmp_path) is not None
+    assert preload_refusal(["python", "h.py"], {"PATH": str(tmp_path / "bin")}, tmp_path) == (
+        f"python is not this interpreter ({PY})"
+    ), "the same file in another folder is another environment (a venv)"
+    assert preload_refusal(["bin/python", "h.py"], env, tmp_path) is not None
+    assert preload_refusal(["sh", "-c", "x"], {"PATH": "/bin:/usr/bin"}, tmp_path) == (
+        f"sh is not this interpreter ({PY})"
+    )
+    assert preload_refusal([PY, "h.py"], {**env, "PYTHONPATH": "/elsewhere"}, tmp_path) == (
+        "the harness's env sets PYTHONPATH, read by an interpreter only at its start"
+    )
