@@ -135,6 +135,7 @@ def loop_config(specs: Any, *, config_sha256: str | None = None) -> Any:
             temperature=spec.generation.temperature,
             mini_batches=algo.ppo_mini_batches,
             epochs=algo.ppo_epochs,
+            lr_warmup_steps=algo.lr_warmup_steps,
         ),
         config_sha256=config_sha256,
     )

@@ -44,3 +44,31 @@ def test_resume_truncates_metrics_of_redone_steps(tmp_path: Path) -> None:
 def test_fifth_means_use_at_least_one_step() -> None:
     assert fifth_means([0.0, 1.0]) == (0.0, 1.0)
     assert fifth_means([0.0] * 5 + [1.0] * 5) == (0.0, 1.0)
+
+
+def test_loop_config_carries_every_algorithm_field_of_the_spec() -> None:
+    from inharness.operator.specfile import load_specs
+    from inharness.run import loop_config, with_overrides
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "calc" / "trainingrun.yaml"
+    overrides = {
+        "spec.algorithm.advantageEstimator": "rloo",
+        "spec.algorithm.advantageLevel": "sample",
+        "spec.algorithm.lossNormalization": "token",
+        "spec.algorithm.normalizeByStd": False,
+        "spec.algorithm.clipRatioLow": 0.1,
+        "spec.algorithm.clipRatioHigh": 0.3,
+        "spec.algorithm.klCoef": 0.5,
+        "spec.algorithm.ppoMiniBatches": 3,
+        "spec.algorithm.ppoEpochs": 5,
+        "spec.algorithm.lrWarmupSteps": 7,
+        "spec.generation.temperature": 0.7,
+    }
+    update = loop_config(with_overrides(load_specs(example), overrides)).update
+    assert (update.estimator, update.advantage_level, update.loss_normalization) == (
+        "rloo",
+        "sample",
+        "token",
+    )
+    assert (update.norm_by_std, update.clip_low, update.clip_high, update.kl_coef) == (False, 0.1, 0.3, 0.5)
+    assert (update.mini_batches, update.epochs, update.lr_warmup_steps, update.temperature) == (3, 5, 7, 0.7)

@@ -504,6 +504,14 @@ class Algorithm(SpecModel):
     )
     normalize_by_std: bool = Field(default=True, description="Divide advantages by the group's std.")
     learning_rate: float = Field(default=1e-5, gt=0, le=1, description="Optimizer learning rate.")
+    lr_warmup_steps: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="Optimizer steps over which the learning rate rises linearly to learningRate; 0: none. "
+        "AdamW's first steps move every weight by about the learning rate, which can break a small "
+        "policy's output format in one update.",
+    )
     clip_ratio_low: float = Field(
         default=0.2, ge=0, le=1, description="PPO clip: ratios below 1 - clipRatioLow are clipped."
     )
