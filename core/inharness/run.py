@@ -211,7 +211,14 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
         async with GatewayClient(gateway.url, admin) as gw:
             await gw.register_version(state.version, [engine.url], activate=True)
             controller = LocalRolloutController(
-                gw, gateway.url, pool.metadata.name, pool.spec, harness.spec, specs.base_dir, rd.attempts
+                gw,
+                gateway.url,
+                pool.metadata.name,
+                pool.spec,
+                harness.spec,
+                specs.base_dir,
+                rd.attempts,
+                log=_say,  # e.g. why spec.local.preload is not used; lost leases
             )
             config = loop_config(specs)
             progress = _Progress(spec.steps, state.step, controller)
@@ -252,6 +259,10 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
         )
         return 130
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def backend_note(specs: Any) -> str | None:
