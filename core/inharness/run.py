@@ -136,6 +136,7 @@ def loop_config(specs: Any, *, config_sha256: str | None = None) -> Any:
             mini_batches=algo.ppo_mini_batches,
             epochs=algo.ppo_epochs,
             lr_warmup_steps=algo.lr_warmup_steps,
+            grad_clip=algo.grad_clip,
         ),
         config_sha256=config_sha256,
     )

@@ -44,7 +44,7 @@ def _parse_call(text: str) -> tuple[str, str] | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", type=Path, help="a warmed-up model (make demo-train writes examples/calc/model)")
+    ap.add_argument("model", type=Path, help="a warmed-up model (make demo writes examples/calc/model)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--mini-batches", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=4)
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr-warmup", type=int, default=0, help="optimizer steps of linear lr warm-up")
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm")
     ap.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the warmed-up model")
     ap.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's epsilon (torch's default 1e-8)")
     args = ap.parse_args(argv)
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         epochs=args.epochs,
         kl_coef=args.kl_coef,
         lr_warmup_steps=args.lr_warmup,
+        grad_clip=args.grad_clip,
     )
     rng = random.Random(args.seed)
     tasks = calc_tasks.load_tasks()

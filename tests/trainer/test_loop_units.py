@@ -62,6 +62,7 @@ def test_loop_config_carries_every_algorithm_field_of_the_spec() -> None:
         "spec.algorithm.ppoMiniBatches": 3,
         "spec.algorithm.ppoEpochs": 5,
         "spec.algorithm.lrWarmupSteps": 7,
+        "spec.algorithm.gradClip": 0.25,
         "spec.generation.temperature": 0.7,
     }
     update = loop_config(with_overrides(load_specs(example), overrides)).update
@@ -72,3 +73,4 @@ def test_loop_config_carries_every_algorithm_field_of_the_spec() -> None:
     )
     assert (update.norm_by_std, update.clip_low, update.clip_high, update.kl_coef) == (False, 0.1, 0.3, 0.5)
     assert (update.mini_batches, update.epochs, update.lr_warmup_steps, update.temperature) == (3, 5, 7, 0.7)
+    assert update.grad_clip == 0.25

@@ -519,6 +519,14 @@ class Algorithm(SpecModel):
         default=0.28, ge=0, le=10, description="PPO clip: ratios above 1 + clipRatioHigh are clipped."
     )
     kl_coef: float = Field(default=0.0, ge=0, le=100, description="Weight of the KL penalty; 0: none.")
+    grad_clip: float | None = Field(
+        default=1.0,
+        gt=0,
+        le=1_000,
+        description="Each optimizer step's gradient is scaled down to this global norm when above it; "
+        "null: never. Set it near the usual norm (metrics.jsonl grad_norm) to keep one outlier batch "
+        "from moving AdamW's weights several times further than the others.",
+    )
     group_size: int = Field(
         default=8, ge=2, le=1024, description="Rollouts per task; advantages compare within a group."
     )
