@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-train ablation test lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e clean
+.PHONY: demo demo-gateway ablation test lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -15,13 +15,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python tools/k8s_binaries.py $(BIN)
 	touch $(STAMP)
 
-# The main job until the RL demo meets its goal: one recorded tool-calling conversation.
+# The main job: warm-up, then RL of the tiny model inside the unmodified calculator agent (examples/calc).
 demo: $(STAMP)
-	$(BIN)/python -m inharness.demo
-
-# RL of the tiny model inside the calculator agent (work in progress: see the README).
-demo-train: $(STAMP)
 	$(BIN)/python examples/calc/demo.py
+
+# The gateway on its own: one recorded tool-calling conversation and what was recorded.
+demo-gateway: $(STAMP)
+	$(BIN)/python -m inharness.demo
 
 ablation: $(STAMP)
 	$(BIN)/python examples/calc/demo.py --ablation

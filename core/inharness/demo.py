@@ -1,4 +1,4 @@
-"""`make demo`: a tiny model behind the built-in engine and the gateway, one real multi-turn
+"""`make demo-gateway`: a tiny model behind the built-in engine and the gateway, one real multi-turn
 tool-calling conversation through them with the official `openai` client, and what was recorded.
 
 Everything is made here: the model is `inharness model init-tiny` plus a few seconds of supervised
