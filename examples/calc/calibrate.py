@@ -19,12 +19,15 @@ over harness, engine and gateway processes; sft = warm-up seconds. Measured on t
 (plus/minus/times, operands <= 9, K=64, lr 1e-3, batch 8, M=64, seed 0; the S1 150 row's sft time was
 taken while another job shared the CPUs):
 
-    S1 + S     t1     t0     tool   copy   op     fmt    s/roll   sft
-    150 + 20   0.30   0.44   0.84   0.91   0.43   0.73   1.09     186 s
-    250 + 20   0.38   0.45   0.91   0.98   0.46   0.84   0.71      60 s
+    K      S1 + S     t1     t0     tool   copy   op     fmt    s/roll   sft
+    64     150 + 20   0.30   0.44   0.84   0.91   0.43   0.73   1.09     186 s
+    64     250 + 20   0.38   0.45   0.91   0.98   0.46   0.84   0.71      60 s
+    1024   250 + 60   0.31   0.33   0.91   1.00   0.36   0.88   0.96      78 s
 
-The chosen constants (tasks.py) are the second row. op is above the third that uniformly random traces
-would suggest (64 traces, each seen ~30 times: the choice is not uniform per question; not pinned down).
+The chosen constants (tasks.py) are the last row (`calibrate.py -M 64`, idle machine; s/roll here runs
+each harness without the pool's preload). With 64 traces, each seen ~30 times, op sat above the third
+that uniformly random traces suggest: the model had memorised an operator per question, so the rollouts
+of a group mostly agreed and GRPO had little to compare; 1024 traces bring op to about a third.
 """
 
 from __future__ import annotations
