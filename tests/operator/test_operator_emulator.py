@@ -350,6 +350,7 @@ async def test_emulator_progress_from_a_real_gateway_reaches_status_and_completi
     cluster: Cluster, gateway_port: int, tiny_model: Path, tmp_path: Path
 ) -> None:
     c = cluster
+    steps = example_docs()[2]["spec"]["steps"]
     await apply_example(c)
     await eventually(lambda: children_present(c), "children exist")
     secret = c.get("v1/secrets", "calc-gateway")
@@ -364,7 +365,7 @@ async def test_emulator_progress_from_a_real_gateway_reaches_status_and_completi
             await client.create_rollouts([{"q": 1}], pool="calc-pool")
             await client.register_version(2, ["http://127.0.0.1:9"], activate=True)
             for step, reward in [(1, 0.25), (2, 0.5)]:
-                await client.report_progress(ProgressReport(step=step, total_steps=16, reward_mean=reward))
+                await client.report_progress(ProgressReport(step=step, total_steps=steps, reward_mean=reward))
             await eventually(lambda: c.status().get("step") == 2, "step 2 in the status")
             status = c.status()
             assert status["rewardHistory"] == [0.25, 0.5] and status["rewardMean"] == 0.5
@@ -373,7 +374,7 @@ async def test_emulator_progress_from_a_real_gateway_reaches_status_and_completi
             assert status["startTime"]
 
             await client.report_progress(
-                ProgressReport(step=16, total_steps=16, reward_mean=0.9, state="complete")
+                ProgressReport(step=steps, total_steps=steps, reward_mean=0.9, state="complete")
             )
             await eventually(lambda: c.status().get("phase") == "Complete", "phase Complete")
             assert c.condition("Complete") == ("True", "StepsDone") and c.status()["completionTime"]
