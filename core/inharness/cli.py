@@ -228,6 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("file", help="YAML with the TrainingRun, its RolloutPool and HarnessSpec")
     run.add_argument("--out", default=None, help="output directory (default: ./runs/<TrainingRun name>)")
     run.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    run.add_argument(
+        "--max-consecutive-failures",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop once N attempts in a row failed the same way before any model call (default 10; 0: never)",
+    )
 
     train = sub.add_parser(
         "train",
@@ -294,7 +301,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from inharness.run import run_file
 
-        return run_file(Path(args.file), Path(args.out) if args.out else None, resume=args.resume)
+        limit = args.max_consecutive_failures
+        if limit is not None and limit < 0:
+            parser.error("--max-consecutive-failures must be 0 or more")
+        return run_file(
+            Path(args.file),
+            Path(args.out) if args.out else None,
+            resume=args.resume,
+            **({} if limit is None else {"max_consecutive_failures": limit}),
+        )
     parser.error(f"unknown command {args.command}")
     return 2
 

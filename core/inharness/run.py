@@ -14,9 +14,10 @@ import os
 import secrets
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from inharness.procs import ServerProcess, free_port
 
@@ -142,27 +143,65 @@ def loop_config(specs: Any, *, config_sha256: str | None = None) -> Any:
     )
 
 
-async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, Any]) -> int:
-    from inharness.gateway.client import GatewayClient
-    from inharness.operator.rollouts.local import LocalRolloutController
+DEFAULT_MAX_CONSECUTIVE_FAILURES = 10
+"""Attempts in a row that fail the same way before any model call, after which a run stops."""
+
+
+class _RunFailed(Exception):
+    """The run cannot go on; the message says why in one paragraph a user can act on."""
+
+
+async def _train(
+    file: Path, out: Path, *, resume: bool, overrides: dict[str, Any], max_consecutive_failures: int
+) -> int:
     from inharness.operator.specfile import load_specs, load_tasks
-    from inharness.trainer.loop import RunDir, TrainingLoop
-    from inharness.trainer.report import plot_rewards, read_metrics, summarize, summary_table
+    from inharness.runlock import RunDirBusy, RunLock
+    from inharness.trainer.loop import RunDir
 
     specs = with_overrides(load_specs(file), overrides)
     tasks = load_tasks(specs)
+    spec = specs.training_run.spec
+    rd = RunDir(out, checkpoints=specs.resolve(spec.checkpoint.dir) if spec.checkpoint.dir else None)
+    lock = RunLock(rd.root)
+    try:
+        # A run killed a moment ago may still have children on its way out: give them time to go.
+        lock.acquire(wait_seconds=15)
+    except RunDirBusy as exc:
+        print(f"inharness run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        ckpt = rd.latest_checkpoint()
+        if ckpt is not None and not resume:
+            print(
+                f"inharness run: {out} already holds a run (checkpoint {ckpt.name}); pass --resume to "
+                "continue it or --out to start a new one",
+                file=sys.stderr,
+            )
+            return 2
+        return await _train_locked(
+            file, specs, tasks, rd, lock, resume=resume, max_consecutive_failures=max_consecutive_failures
+        )
+    finally:
+        lock.release()
+
+
+async def _train_locked(
+    file: Path,
+    specs: Any,
+    tasks: list[Any],
+    rd: Any,
+    lock: Any,
+    *,
+    resume: bool,
+    max_consecutive_failures: int,
+) -> int:
+    from inharness.gateway.client import GatewayClient, GatewayError
+    from inharness.operator.rollouts.local import LocalRolloutController
+    from inharness.supervisor import Supervisor
+    from inharness.trainer.loop import NoTrainableSamples, TrainingLoop
+
     run, pool, harness = specs.training_run, specs.rollout_pool, specs.harness
     spec = run.spec
-    rd = RunDir(out, checkpoints=specs.resolve(spec.checkpoint.dir) if spec.checkpoint.dir else None)
-    ckpt = rd.latest_checkpoint()
-    if ckpt is not None and not resume:
-        print(
-            f"inharness run: {out} already holds a run (checkpoint {ckpt.name}); pass --resume to continue "
-            "it or --out to start a new one",
-            file=sys.stderr,
-        )
-        return 2
-    rd.root.mkdir(parents=True, exist_ok=True)
     model_path = specs.resolve(spec.model.path)
     policy, state, serve_path = load_policy(specs, rd, resume=resume)
 
@@ -170,47 +209,53 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     admin = secrets.token_hex(24)
     eport, gport = free_port(), free_port()
-    # One intra-op thread: the engine shares the cores with the harnesses and the gateway, and torch's
-    # threads wait on each other when a core is taken (13x slower per request measured on 2 busy cores).
-    engine = ServerProcess.inharness(
-        ["engine", "--model", str(serve_path), "--port", str(eport), "--threads", "1"],
-        port=eport,
-        log=rd.logs / "engine.log",
-        health="/health",
-    )
-    gateway = ServerProcess.inharness(
-        [
-            "gateway",
-            "--model",
-            str(model_path),
-            "--engine",
-            engine.url,
-            "--model-version",
-            str(state.version),
-            "--store",
-            f"sqlite:///{rd.root / 'gateway.db'}",
-            "--port",
-            str(gport),
-            "--admin-token",
-            admin,
-            "--max-attempts",
-            str(pool.spec.max_attempts_per_rollout),
-        ],
-        port=gport,
-        log=rd.logs / "gateway.log",
-        health="/healthz",
-    )
+    keep_lock = (lock.fd,)  # the run directory stays locked until these children are gone too
+
+    def engine_on(weights: Path) -> ServerProcess:
+        # One intra-op thread: the engine shares the cores with the harnesses and the gateway, and
+        # torch's threads wait on each other when a core is taken (13x slower per request measured on
+        # 2 busy cores).
+        argv = ["engine", "--model", str(weights), "--port", str(eport), "--threads", "1"]
+        return ServerProcess.inharness(
+            argv, port=eport, log=rd.logs / "engine.log", health="/health", pass_fds=keep_lock
+        )
+
+    def gateway_at(version: int) -> ServerProcess:
+        argv = ["gateway", "--model", str(model_path), "--engine", f"http://127.0.0.1:{eport}"]
+        argv += ["--model-version", str(version), "--store", f"sqlite:///{rd.root / 'gateway.db'}"]
+        argv += ["--port", str(gport), "--admin-token", admin]
+        argv += ["--max-attempts", str(pool.spec.max_attempts_per_rollout)]
+        return ServerProcess.inharness(
+            argv, port=gport, log=rd.logs / "gateway.log", health="/healthz", pass_fds=keep_lock
+        )
+
+    def served_weights() -> Path:
+        current = rd.weights / f"v{state.version}"
+        return current if current.is_dir() else serve_path
+
+    engine, gateway = engine_on(serve_path), gateway_at(state.version)
+    supervisor = Supervisor(_say)
+    supervisor.add("engine", engine, lambda: engine_on(served_weights()))
+    supervisor.add("gateway", gateway, lambda: gateway_at(state.version))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    started = time.monotonic()
     progress: _Progress | None = None
+    controller: LocalRolloutController | None = None
+    training: TrainingLoop | None = None
+    failure: str | None = None
     try:
-        await asyncio.to_thread(engine.start)
-        await asyncio.to_thread(gateway.start)
-        async with GatewayClient(gateway.url, admin) as gw:
+        for proc in (engine, gateway):
+            proc.spawn()  # from the event loop's thread, so that the child dies with this process
+            await asyncio.to_thread(proc.wait_healthy, 120.0)
+        async with GatewayClient(gateway.url, admin, connect_retry_seconds=RECONNECT_SECONDS) as gw:
             await gw.register_version(state.version, [engine.url], activate=True)
+            if resume:
+                # Attempts that were running when the last process died: requeued now, uncharged.
+                released = await gw.release_running(pool.metadata.name, reason="its run stopped")
+                if released:
+                    print(f"requeued {released} attempts that were running when the run stopped")
             controller = LocalRolloutController(
                 gw,
                 gateway.url,
@@ -220,46 +265,110 @@ async def _train(file: Path, out: Path, *, resume: bool, overrides: dict[str, An
                 specs.base_dir,
                 rd.attempts,
                 log=_say,  # e.g. why spec.local.preload is not used; lost leases
+                max_consecutive_failures=max_consecutive_failures,
+                outage=supervisor.outage_since,
             )
-            config = loop_config(specs)
             progress = _Progress(spec.steps, state.step, controller)
             training = TrainingLoop(
                 gateway=gw,
                 engine_urls=[engine.url],
                 policy=policy,
                 tasks=tasks,
-                config=config,
+                config=loop_config(specs),
                 run_dir=rd,
                 state=state,
                 on_progress=progress,
+                engine_wait_seconds=RECONNECT_SECONDS,
             )
+            await training.hold_adopted()
             rollouts = asyncio.create_task(controller.run(stop), name="rollouts")
+            watching = asyncio.create_task(supervisor.watch(stop), name="supervisor")
+            halts = [asyncio.create_task(e.wait()) for e in (controller.halted, supervisor.halted)]
+            for halted in halts:
+                halted.add_done_callback(lambda _: stop.set())
             try:
                 await training.run(stop)
+            except NoTrainableSamples as exc:
+                failure = _explain_empty_batch(exc, controller)
             finally:
                 stop.set()
                 await rollouts
+                await watching
+                for halted in halts:
+                    halted.cancel()
+            failure = failure or supervisor.fatal or controller.fatal
+    except (GatewayError, httpx.HTTPError) as exc:
+        failure = f"the gateway failed: {exc!r} (log: {rd.logs / 'gateway.log'})"
+    except RuntimeError as exc:  # a child that would not start, an engine that refused weights
+        failure = str(exc)
     finally:
         if progress is not None:
             progress.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        gateway.stop()
-        engine.stop()
+        supervisor.stop_all()
 
-    metrics = read_metrics(rd.metrics)
-    if metrics:
-        plot_rewards(rd.reward_png, {run.metadata.name: metrics}, f"{run.metadata.name}: reward per step")
-        summary = summarize(metrics, wall_seconds=time.monotonic() - started)
-        rd.summary.write_text(json.dumps(summary, indent=2))
-        print(f"\n{run.metadata.name}: {out}\n{summary_table(summary)}")
+    unwritten = _write_results(run.metadata.name, rd, state) + (training.write_errors if training else [])
+    for line in unwritten:
+        print(f"inharness run: {line}", file=sys.stderr)
+    if failure is not None:
+        print(f"\ninharness run: stopped at step {state.step} of {spec.steps}: {failure}", file=sys.stderr)
+        return 1
     if state.step < spec.steps:
         print(
             f"stopped at step {state.step} of {spec.steps}; "
-            f"continue with: inharness run {file} --out {out} --resume"
+            f"continue with: inharness run {file} --out {rd.root} --resume"
         )
         return 130
-    return 0
+    return 1 if unwritten else 0
+
+
+RECONNECT_SECONDS = 120.0
+"""How long the trainer and the rollout controller wait for a restarted engine or gateway."""
+
+
+def _explain_empty_batch(exc: Exception, controller: Any) -> str:
+    """Why a batch gave nothing to train on, with the failure reasons counted and where to look."""
+    from inharness.operator.rollouts import fix_for
+
+    lines = [str(exc)]
+    if controller.failed_by_reason:
+        counts = ", ".join(f"{k} (x{n})" for k, n in controller.failed_by_reason.most_common())
+        lines.append(f"  failed attempts by reason: {counts}")
+    last = controller.last_failure
+    if last is not None:
+        attempt_id, reason = last
+        lines.append(f"  last failure: {reason}")
+        lines.append(f"  its logs: {controller.logs_of(attempt_id)}")
+        fix = fix_for(reason)
+        if fix:
+            lines.append(f"  fix: {fix}")
+    return "\n".join(lines)
+
+
+def _write_results(name: str, rd: Any, state: Any) -> list[str]:
+    """reward.png, summary.json and the summary table, each written if it can be: what could not
+    be written is returned, and the rest is kept."""
+    from inharness.trainer.report import plot_rewards, read_metrics, summarize, summary_table
+
+    try:
+        metrics = read_metrics(rd.metrics)
+    except OSError as exc:
+        return [f"could not read {rd.metrics}: {exc}"]
+    if not metrics:
+        return []
+    errors = []
+    try:
+        plot_rewards(rd.reward_png, {name: metrics}, f"{name}: reward per step")
+    except OSError as exc:
+        errors.append(f"could not write {rd.reward_png}: {exc}")
+    summary = summarize(metrics, wall_seconds=state.wall_seconds)
+    try:
+        rd.summary.write_text(json.dumps(summary, indent=2))
+    except OSError as exc:
+        errors.append(f"could not write {rd.summary}: {exc}")
+    print(f"\n{name}: {rd.root}\n{summary_table(summary)}")
+    return errors
 
 
 def _say(line: str) -> None:
@@ -279,8 +388,16 @@ def backend_note(specs: Any) -> str | None:
 
 
 def run_file(
-    file: Path, out: Path | None, *, resume: bool = False, overrides: dict[str, Any] | None = None
+    file: Path,
+    out: Path | None,
+    *,
+    resume: bool = False,
+    overrides: dict[str, Any] | None = None,
+    max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
 ) -> int:
+    """`inharness run`: every path (the file, `out`, and through them the spec's relative paths)
+    is made absolute here, against the directory the command was started in, before any child
+    process sees one."""
     from inharness.operator.specfile import SpecError, load_specs
 
     try:
@@ -292,6 +409,13 @@ def run_file(
     note = backend_note(specs)
     if note is not None:
         print(note, flush=True)
+    out = Path(os.path.abspath(out if out is not None else Path("runs") / name))
     return asyncio.run(
-        _train(file, out or Path.cwd() / "runs" / name, resume=resume, overrides=overrides or {})
+        _train(
+            Path(os.path.abspath(file)),
+            out,
+            resume=resume,
+            overrides=overrides or {},
+            max_consecutive_failures=max_consecutive_failures,
+        )
     )

@@ -315,18 +315,32 @@ def test_client_disconnect_stops_generation(engine: Engine) -> None:
 
 
 def test_event_loop_stays_responsive_during_generation(engine: Engine) -> None:
+    """/health answers while a completion is being generated: the model runs on the scheduler's thread, not
+    on the event loop. A forward pre-hook holds that thread inside the completion's first forward pass until
+    /health has answered, so "still generating" is a fact here, not a bet on timing."""
+    generating, release = threading.Event(), threading.Event()
+
+    def hold(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        generating.set()
+        release.wait(timeout=60)  # bounded: a failing test must not hang the engine
+
+    handle = engine.state.model.register_forward_pre_hook(hold)
     result: dict[str, Any] = {}
     worker = threading.Thread(
         target=lambda: result.update(
-            complete(engine, prompt=PROMPT, max_tokens=400, temperature=0, ignore_eos=True)
+            complete(engine, prompt=PROMPT, max_tokens=40, temperature=0, ignore_eos=True)
         )
     )
-    worker.start()
-    time.sleep(0.3)
-    assert httpx.get(f"{engine.url}/health", timeout=5).status_code == 200
-    assert worker.is_alive(), "the long completion should still be running while /health answers"
-    worker.join(timeout=60)
-    assert result["usage"]["completion_tokens"] == 400
+    try:
+        worker.start()
+        assert generating.wait(timeout=30), "the completion never reached the model"
+        assert httpx.get(f"{engine.url}/health", timeout=10).status_code == 200
+        assert worker.is_alive()  # held in the model, it cannot have finished
+    finally:
+        release.set()
+        worker.join(timeout=60)
+        handle.remove()
+    assert result["usage"]["completion_tokens"] == 40
 
 
 @pytest.mark.parametrize(

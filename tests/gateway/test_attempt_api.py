@@ -1,6 +1,7 @@
-"""The gateway's attempt API beyond model calls, as a real server on 127.0.0.1 (no engine: none of
-this needs one): a harness posting its own reward with its attempt's key, what the control API
-tells about it, and batch claims."""
+"""The gateway's attempt API beyond model calls, as a real server on 127.0.0.1 (no engine, except
+where a completion counts calls made through the harness API): a harness posting its own reward with
+its attempt's key, what the control API tells about it, batch claims, released attempts and held
+rollouts."""
 
 import asyncio
 from collections.abc import Iterator
@@ -20,6 +21,17 @@ from inharness.gateway.schema import ClaimedAttempt
 def gateway(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, log_dir: Path) -> Iterator[Server]:
     db = tmp_path_factory.mktemp("attempt-api") / "gateway.db"
     server = gateway_server(tiny_model, [], db, log_dir, admin_token=ADMIN).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def served(
+    engine: Server, tool_model: Path, tmp_path_factory: pytest.TempPathFactory, log_dir: Path
+) -> Iterator[Server]:
+    """A gateway in front of a real engine, for the tests that make model calls."""
+    db = tmp_path_factory.mktemp("attempt-api-served") / "gateway.db"
+    server = gateway_server(tool_model, [engine.url], db, log_dir, admin_token=ADMIN).start()
     yield server
     server.stop()
 
@@ -160,3 +172,118 @@ async def test_a_batch_claim_limit_outside_1_to_1000_is_refused(gateway: Server,
     async with httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN}"}) as h:
         r = await h.post("/api/v1/attempts/claim-batch", json={"pool": "batch-limit", "limit": limit})
     assert r.status_code == 400 and r.json()["error"]["param"] == "limit", r.text
+
+
+# --- released attempts ----------------------------------------------------------------------------------
+
+
+async def test_a_released_attempt_requeues_its_rollout_at_once_without_using_up_an_attempt(
+    gateway: Server,
+) -> None:
+    async with GatewayClient(gateway.url, ADMIN) as gw:
+        (made,) = await gw.create_rollouts([{"q": 1}], pool="release-one", max_attempts=1)
+        first = await gw.claim("release-one", 600)
+        assert first is not None
+        out, dup = await gw.complete(first.id, "released", info={"reason": "runner stopped (Ctrl-C)"})
+        assert not dup and (out.status, out.failure_reason, out.calls) == (
+            "released",
+            "runner stopped (Ctrl-C)",
+            0,
+        )
+        again, dup = await gw.complete(first.id, "released", info={"reason": "runner stopped (Ctrl-C)"})
+        assert dup and again.status == "released"
+        r = await post(gateway, first.token, {"reward": 1.0})
+        assert r.status_code == 403  # a released attempt's key serves nothing more
+
+        second = await gw.claim("release-one", 600)  # no lease to wait out
+        assert second is not None and (second.rollout_id, second.seq) == (made.id, 2)
+        await gw.complete(second.id, "failed")
+        ro = await gw.get_rollout(made.id)
+    assert ro.status == "failed" and [a.status for a in ro.attempts] == ["released", "failed"]
+
+
+async def test_release_running_requeues_that_pools_running_attempts_and_leaves_other_pools_alone(
+    gateway: Server,
+) -> None:
+    async with GatewayClient(gateway.url, ADMIN) as gw:
+        await gw.create_rollouts([{"i": i} for i in range(3)], pool="resume-mine", max_attempts=1)
+        mine = await gw.claim_batch("resume-mine", 600, limit=3)
+        other = await claimed(gw, "resume-theirs")
+
+        assert await gw.release_running("resume-mine", reason="previous run died") == 3
+        assert await gw.release_running("resume-mine") == 0
+
+        for a in mine:
+            ro = await gw.get_rollout(a.rollout_id)
+            assert ro.status == "queued"
+            assert (ro.attempts[0].status, ro.attempts[0].failure_reason) == ("released", "previous run died")
+            assert (await post(gateway, a.token, {"reward": 0.5})).status_code == 403
+        assert (await gw.get_rollout(other.rollout_id)).status == "running"
+        assert (await post(gateway, other.token, {"reward": 0.5})).status_code == 200
+        again = await gw.claim_batch("resume-mine", 600, limit=10)
+    assert sorted(a.rollout_id for a in again) == sorted(a.rollout_id for a in mine)
+    assert {a.seq for a in again} == {2}
+
+
+# --- held rollouts --------------------------------------------------------------------------------------
+
+
+async def test_a_held_rollout_is_not_claimed_until_it_is_unheld(gateway: Server) -> None:
+    async with GatewayClient(gateway.url, ADMIN) as gw:
+        now, later = await gw.create_rollouts([{"v": 1}, {"v": 2}], pool="hold")
+        assert await gw.hold([later.id]) == 1
+        assert (await gw.get_rollout(later.id)).status == "held"
+        assert [a.rollout_id for a in await gw.claim_batch("hold", 60, limit=10)] == [now.id]
+        assert await gw.claim("hold", 60) is None
+        assert await gw.hold([now.id, later.id]) == 0  # running and held ones are left as they are
+        assert await gw.unhold([now.id, later.id]) == 1
+        unheld = await gw.claim("hold", 60)
+    assert unheld is not None and unheld.rollout_id == later.id
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api/v1/pools/default/release-running", {}),
+        ("/api/v1/rollouts/hold", {"ids": []}),
+        ("/api/v1/rollouts/unhold", {"ids": []}),
+    ],
+)
+async def test_release_and_hold_need_the_admin_token(gateway: Server, path: str, body: Any) -> None:
+    async with httpx.AsyncClient(base_url=gateway.url) as h:
+        r = await h.post(path, json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"
+        r = await h.post(path, json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and r.json() in ({"released": 0}, {"changed": 0}), r.text
+
+
+# --- completion answer: recorded calls ------------------------------------------------------------------
+
+
+async def chat(gw: Server, token: str, *, stream: bool) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=60) as h:
+        r = await h.post("/v1/chat/completions", json=body, headers=headers)  # reads a stream to its end
+    text = r.text
+    assert r.status_code == 200, text
+    assert not stream or text.rstrip().endswith("data: [DONE]")
+
+
+async def test_the_completion_answer_counts_the_calls_answered_through_the_harness_api(
+    served: Server,
+) -> None:
+    async with GatewayClient(served.url, ADMIN) as gw:
+        silent = await claimed(gw, "count-calls")
+        out, _ = await gw.complete(silent.id, "failed", info={"reason": "harness crashed"})
+        assert out.calls == 0  # failed before any model call was recorded
+
+        busy = await claimed(gw, "count-calls")
+        await chat(served, busy.token, stream=False)
+        await chat(served, busy.token, stream=True)
+        await asyncio.gather(*(chat(served, busy.token, stream=s) for s in (False, True, False)))
+        out, dup = await gw.complete(busy.id, "succeeded", 1.0)
+        assert not dup and out.calls == 5 == len(await gw.calls(busy.id))
+        out, dup = await gw.complete(busy.id, "succeeded", 1.0)
+        assert dup and out.calls == 5
+        assert (await gw.heartbeat((await claimed(gw, "count-calls")).id)).calls is None

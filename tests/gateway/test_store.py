@@ -1,5 +1,6 @@
 """The store's rollout queue on a real SQLite file: leases, requeues, stale completions, export."""
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -117,8 +118,6 @@ async def test_export_resumes_from_cursor_without_repeats_or_gaps(store: Store) 
 
 
 async def test_concurrent_call_records_share_commits_and_all_land(store: Store) -> None:
-    import asyncio
-
     await store.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=1)
     a = await store.claim("default", 60)
     records = [_record(a, n) for n in range(50)]
@@ -126,3 +125,152 @@ async def test_concurrent_call_records_share_commits_and_all_land(store: Store) 
     assert sorted(r.id for r in records) == list(range(1, 51))
     stored = await store.list_calls(a.id)
     assert [c.request["n"] for c in stored] == list(range(50))
+
+
+# --- released attempts ----------------------------------------------------------------------------------
+
+
+def _released(reason: str | None = None) -> schema.CompleteRequest:
+    return schema.CompleteRequest(status="released", info={"reason": reason} if reason else {})
+
+
+async def test_released_attempts_are_not_charged_and_the_rollout_fails_only_at_its_limit(
+    store: Store,
+) -> None:
+    (rid,) = await store.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=1)
+    for _ in range(2):
+        a = await store.claim("default", 60)
+        out, dup = await store.complete(a.id, _released())
+        assert not dup and (out.status, out.failure_reason) == ("released", "released by runner")
+        assert (await store.get_rollout(rid)).status == "queued"
+    last = await store.claim("default", 60)
+    assert last.seq == 3  # numbering keeps counting; only the charge skips released attempts
+    await store.complete(last.id, schema.CompleteRequest(status="failed"))
+    ro = await store.get_rollout(rid)
+    assert ro.status == "failed" and [a.status for a in ro.attempts] == ["released", "released", "failed"]
+    assert await store.claim("default", 60) is None
+
+
+async def test_a_failure_after_releases_requeues_while_charged_attempts_remain(store: Store) -> None:
+    (rid,) = await store.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=2)
+    for _ in range(2):
+        await store.complete((await store.claim("default", 60)).id, _released())
+    await store.complete((await store.claim("default", 60)).id, schema.CompleteRequest(status="failed"))
+    assert (await store.get_rollout(rid)).status == "queued"  # three started, one charged of two
+    await store.complete((await store.claim("default", 60)).id, schema.CompleteRequest(status="failed"))
+    ro = await store.get_rollout(rid)
+    assert ro.status == "failed" and [a.status for a in ro.attempts] == ["released"] * 2 + ["failed"] * 2
+
+
+async def test_a_released_rollout_is_claimable_at_once_and_keeps_the_given_reason(store: Store) -> None:
+    (rid,) = await store.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=1)
+    first = await store.claim("default", 600)
+    out, _ = await store.complete(first.id, _released("engine down"))
+    assert out.failure_reason == "engine down"
+    again = await store.claim("default", 600)
+    assert again is not None and (again.rollout_id, again.seq) == (rid, 2)
+
+
+async def test_a_repeated_release_is_idempotent_and_a_different_completion_conflicts(store: Store) -> None:
+    (rid,) = await store.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=1)
+    a = await store.claim("default", 60)
+    _, dup1 = await store.complete(a.id, _released())
+    _, dup2 = await store.complete(a.id, _released())
+    assert (dup1, dup2) == (False, True)
+    with pytest.raises(Conflict):
+        await store.complete(a.id, schema.CompleteRequest(status="failed"))
+    ro = await store.get_rollout(rid)
+    assert ro.status == "queued" and [x.status for x in ro.attempts] == ["released"]
+
+
+async def test_release_running_releases_only_that_pools_running_attempts_expired_included(
+    store: Store,
+) -> None:
+    mine = await store.create_rollouts(
+        schema.CreateRollouts(tasks=["a", "b", "c"], pool="mine"), default_max_attempts=1
+    )
+    (theirs,) = await store.create_rollouts(
+        schema.CreateRollouts(tasks=["x"], pool="theirs"), default_max_attempts=1
+    )
+    live = await store.claim("mine", 600)
+    expired = await store.claim("mine", 0.01)
+    done = await store.claim("mine", 600)
+    await store.complete(done.id, schema.CompleteRequest(status="succeeded", reward=1.0))
+    other = await store.claim("theirs", 600)
+    await asyncio.sleep(0.02)  # the second lease has passed, and nothing expired it yet
+
+    released = await store.release_running("mine", "runner restarted")
+
+    assert sorted(released) == sorted([live.id, expired.id])
+    by_id = {r.id: r for r in await store.get_rollouts(mine)}
+    for a in (live, expired):
+        ro = by_id[a.rollout_id]
+        assert ro.status == "queued"
+        assert (ro.attempts[0].status, ro.attempts[0].failure_reason) == ("released", "runner restarted")
+    assert by_id[done.rollout_id].status == "succeeded"
+    assert (await store.get_rollout(theirs)).attempts[0].status == "running" and other.rollout_id == theirs
+    assert await store.release_running("mine", "again") == []
+    again = await store.claim_many("mine", 600, 10)  # max_attempts 1, yet both are claimable again
+    assert sorted(a.rollout_id for a in again) == sorted([live.rollout_id, expired.rollout_id])
+
+
+# --- completion answer: recorded calls ------------------------------------------------------------------
+
+
+async def test_the_completion_answer_counts_the_attempts_recorded_calls(store: Store) -> None:
+    await store.create_rollouts(schema.CreateRollouts(tasks=["a", "b"]), default_max_attempts=1)
+    silent, busy = await store.claim("default", 60), await store.claim("default", 60)
+    await store.record_calls([_record(busy, 0), _record(busy, 1)])
+    await store.record_calls([_record(busy, 2)])
+    out, _ = await store.complete(silent.id, schema.CompleteRequest(status="failed"))
+    assert out.calls == 0
+    out, _ = await store.complete(busy.id, schema.CompleteRequest(status="succeeded", reward=1.0))
+    assert out.calls == 3
+    out, dup = await store.complete(busy.id, schema.CompleteRequest(status="succeeded", reward=1.0))
+    assert dup and out.calls == 3
+    assert (await store.heartbeat((await _fresh(store)).id, None)).calls is None  # only in the answer
+
+
+async def _fresh(store: Store) -> schema.ClaimedAttempt:
+    await store.create_rollouts(schema.CreateRollouts(tasks=["c"]), default_max_attempts=1)
+    a = await store.claim("default", 60)
+    assert a is not None
+    return a
+
+
+# --- held rollouts --------------------------------------------------------------------------------------
+
+
+async def test_a_held_rollout_is_not_claimed_and_an_unheld_one_is(store: Store) -> None:
+    early, late = await store.create_rollouts(
+        schema.CreateRollouts(tasks=["v1", "v2"]), default_max_attempts=1
+    )
+    assert await store.hold([late]) == 1
+    assert (await store.get_rollout(late)).status == "held"
+    assert (await store.claim("default", 60)).rollout_id == early
+    assert await store.claim("default", 60) is None
+    assert await store.count_rollouts("held") == 1 and await store.count_rollouts("queued") == 0
+    assert await store.unhold([late, late]) == 1
+    assert (await store.claim("default", 60)).rollout_id == late
+
+
+async def test_hold_and_unhold_change_only_rollouts_in_the_state_they_leave(store: Store) -> None:
+    running, finished, queued = await store.create_rollouts(
+        schema.CreateRollouts(tasks=["r", "f", "q"]), default_max_attempts=1
+    )
+    await store.claim("default", 60)
+    done = await store.claim("default", 60)
+    await store.complete(done.id, schema.CompleteRequest(status="succeeded", reward=1.0))
+    assert await store.hold([running, finished, queued, "ro-unknown"]) == 1
+    assert await store.hold([queued]) == 0  # already held
+    assert await store.unhold([running, finished]) == 0
+    statuses = [r.status for r in await store.get_rollouts([running, finished, queued])]
+    assert statuses == ["running", "succeeded", "held"]
+    assert [e.rollout.id for e in await store.export(after=0, limit=10, bodies=False)] == [finished]
+
+
+async def test_hold_takes_more_ids_than_one_statement_binds(store: Store) -> None:
+    ids = await store.create_rollouts(schema.CreateRollouts(tasks=list(range(1200))), default_max_attempts=1)
+    assert await store.hold(ids) == 1200
+    assert await store.claim("default", 60) is None
+    assert await store.unhold(ids) == 1200 and await store.count_rollouts("queued") == 1200

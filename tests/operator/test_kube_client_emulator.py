@@ -3,13 +3,15 @@ with kinds, watch events, credentials from KUBECONFIG, request counting and paci
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from kmock import Server
 from kube_emulator import EmulatedCluster
 
+from inharness.operator import kube as kube_module
 from inharness.operator.kube import (
     CONFIGMAPS,
     TRAININGRUNS,
@@ -85,17 +87,42 @@ async def test_emulator_client_reads_kubeconfig(
         assert await kube.list(TRAININGRUNS, "ns") == []
 
 
+class VirtualClock:
+    """The client's clock in virtual time: `monotonic` stands still until the token bucket sleeps, and each
+    sleep moves it on by exactly its delay and is recorded with the requests `sent()` so far."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[tuple[int, float]] = []
+        self.sent: Callable[[], int] = lambda: 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, delay: float) -> None:
+        self.sleeps.append((self.sent(), delay))
+        self.now += delay
+        await asyncio.sleep(0)
+
+
 async def test_client_side_rate_limit_paces_requests_beyond_the_burst(
-    emulator: tuple[EmulatedCluster, str],
+    emulator: tuple[EmulatedCluster, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """`burst` requests go out without waiting; each one after them waits 1/qps for a token. On a virtual
+    clock, so the waits are exact whatever the machine's load (real request rates are bench/'s business)."""
     _, url = emulator
-    async with KubeClient(url, qps=20, burst=2) as kube:
-        start = time.monotonic()
+    clock = VirtualClock()
+    monkeypatch.setattr(kube_module, "time", SimpleNamespace(**{**vars(time), "monotonic": clock.monotonic}))
+    monkeypatch.setattr(kube_module, "asyncio", SimpleNamespace(**{**vars(asyncio), "sleep": clock.sleep}))
+    async with KubeClient(url, qps=8, burst=2) as kube:
+        clock.sent = lambda: kube.requests["get"]
         for _ in range(6):
-            with pytest.raises(NotFound):
+            with pytest.raises(NotFound):  # each one reached the emulator
                 await kube.get(CONFIGMAPS, "absent", "ns")
-        # 2 from the burst, then 4 at 20/s: at least 0.2 s
-        assert time.monotonic() - start >= 0.19
+        assert kube.requests["get"] == 6
+    # No wait while the burst lasts, then one token (1/8 s, exact in binary) before each later request.
+    assert clock.sleeps == [(2, 0.125), (3, 0.125), (4, 0.125), (5, 0.125)]
+    assert clock.now == 0.5
 
 
 def test_resource_paths() -> None:

@@ -326,7 +326,9 @@ async def test_unstartable_harness_fails_with_the_os_error(gateway: Server, tmp_
     assert out.status == "failed" and reason.startswith("could not start: ") and "no-such-harness" in reason
 
 
-async def test_stop_mid_run_kills_every_harness_and_reports_stopped(gateway: Server, tmp_path: Path) -> None:
+async def test_stop_mid_run_kills_every_harness_and_releases_its_attempts_uncharged(
+    gateway: Server, tmp_path: Path
+) -> None:
     mark = uuid.uuid4().hex
     harness = harness_spec(mark, tmp_path, timeoutSeconds=60)
     async with GatewayClient(gateway.url, ADMIN) as client:
@@ -344,10 +346,11 @@ async def test_stop_mid_run_kills_every_harness_and_reports_stopped(gateway: Ser
     assert watch.max_groups == 2
     pids = hung_pids(tmp_path)
     assert not any(alive(p["pid"]) or alive(p["child"]) for p in pids)
-    assert (ctrl.started, ctrl.failed, ctrl.running, ctrl.failed_by_reason) == (2, 2, 0, {"stopped": 2})
-    assert [o.reason for _, o in finished] == ["stopped", "stopped"]
+    assert (ctrl.started, ctrl.released, ctrl.failed, ctrl.running) == (2, 2, 0, 0)
+    assert [(o.status, o.reason) for _, o in finished] == [("released", "stopped")] * 2
     claimed = [o for o in outs if o.attempts]
     assert len(claimed) == 2 and all(o.status == "queued" for o in outs), "stopped attempts are requeued"
+    assert all(o.attempts[0].status == "released" for o in claimed), "a stop is not the harness's fault"
     assert all(o.attempts[0].failure_reason == "stopped" for o in claimed)
 
 
@@ -668,3 +671,61 @@ def test_preload_refusal_names_what_cannot_be_forked(tmp_path: Path) -> None:
     assert preload_refusal([PY, "h.py"], {**env, "PYTHONPATH": "/elsewhere"}, tmp_path) == (
         "the harness's env sets PYTHONPATH, read by an interpreter only at its start"
     )
+
+
+OUTCOMES: dict[str, dict[str, Any]] = {
+    "resultFile": {"command": [PY, "probe.py"]},
+    "exitCode": {"command": [PY, "answer.py"], "outcome": {"type": "exitCode"}},
+    "grader": {
+        "command": [PY, "answer.py"],
+        "outcome": {"type": "grader", "grader": {"command": [PY, "grader.py"], "timeoutSeconds": 10}},
+    },
+}
+
+
+def relative(target: Path, start: Path) -> Path:
+    return Path(os.path.relpath(target, start))
+
+
+@pytest.mark.parametrize("preload", [False, True], ids=["exec", "preload"])
+@pytest.mark.parametrize("outcome", list(OUTCOMES))
+async def test_relative_directories_reach_harnesses_as_absolute_paths(
+    gateway: Server,
+    tmp_path: Path,
+    marker_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    outcome: str,
+    preload: bool,
+) -> None:
+    """As `make demo` runs it: started elsewhere than the harness's directory, with a relative work
+    directory and base directory; a forked harness opens its files after changing into its cwd."""
+    here = tmp_path / "started-here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    harness = harness_spec(uuid.uuid4().hex, tmp_path, **OUTCOMES[outcome])
+    base_dir = relative(HARNESSES, here)
+    pool_name = f"relative-{outcome}-{preload}".lower()
+    task = {"answer": "42", "expected": "42"}
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        created = await client.create_rollouts([task] * 2, pool=pool_name, max_attempts=1)
+        ctrl = LocalRolloutController(
+            client,
+            gateway.url,
+            pool_name,
+            RolloutPoolSpec.model_validate({"harnessRef": {"name": "h"}, **(PRELOAD if preload else {})}),
+            harness,
+            base_dir=base_dir,
+            work_dir=Path("runs/demo/attempts"),
+            kill_grace_seconds=0.5,
+        )
+        outs = await run_batch(ctrl, client, [r.id for r in created])
+    assert [(o.status, o.reward) for o in outs] == [("succeeded", 1.0)] * 2, [o.attempts for o in outs]
+    for out in outs:
+        adir = here / "runs" / "demo" / "attempts" / out.attempts[0].id
+        assert (adir / "stdout.log").is_file(), "the attempt's files are where the caller said"
+        if outcome == "resultFile":
+            seen = out.attempts[0].info["result"]["seen"]
+            assert seen["preloaded"] == preload
+            paths = {k: v for k, v in seen["env"].items() if k.endswith("_FILE")}
+            assert paths and all(Path(v).is_absolute() for v in paths.values()), paths
+            assert Path(paths["INHARNESS_RESULT_FILE"]) == adir / "result.json"

@@ -4,8 +4,10 @@ Typed with the gateway's own wire schema; errors come back as `GatewayError` wit
 and the gateway's message.
 """
 
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import httpx
 import orjson
@@ -22,8 +24,15 @@ class GatewayError(Exception):
 
 
 class GatewayClient:
-    def __init__(self, base_url: str, admin_token: str, *, timeout: float = 60.0) -> None:
+    """`connect_retry_seconds`: how long a request that could not connect is retried, for a gateway
+    being restarted (`inharness run` restarts a dead one). Only connection failures are retried: the
+    request was never sent, so retrying cannot apply it twice."""
+
+    def __init__(
+        self, base_url: str, admin_token: str, *, timeout: float = 60.0, connect_retry_seconds: float = 0.0
+    ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.connect_retry_seconds = connect_retry_seconds
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers={"Authorization": f"Bearer {admin_token}"}, timeout=timeout
         )
@@ -40,7 +49,9 @@ class GatewayClient:
     async def _call(self, method: str, path: str, body: Any = None, **params: Any) -> httpx.Response:
         content = None if body is None else orjson.dumps(body)
         headers = {"content-type": "application/json"} if content is not None else None
-        r = await self._http.request(method, path, content=content, headers=headers, params=params or None)
+        r = await self._connected(
+            lambda: self._http.request(method, path, content=content, headers=headers, params=params or None)
+        )
         if r.status_code >= 400:
             try:
                 err = r.json()["error"]
@@ -48,6 +59,18 @@ class GatewayClient:
             except (ValueError, KeyError, TypeError):
                 raise GatewayError(r.status_code, r.text) from None
         return r
+
+    async def _connected(self, send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+        deadline = time.monotonic() + self.connect_retry_seconds
+        delay = 0.1
+        while True:
+            try:
+                return await send()
+            except httpx.ConnectError:
+                if time.monotonic() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     async def create_rollouts(
         self,
@@ -93,14 +116,35 @@ class GatewayClient:
     async def complete(
         self,
         attempt_id: str,
-        status: Literal["succeeded", "failed"],
+        status: schema.CompletionStatus,
         reward: float | None = None,
         info: dict[str, Any] | None = None,
     ) -> tuple[schema.AttemptOut, bool]:
-        """Returns (attempt, duplicate); raises GatewayError 409 for a stale attempt."""
-        body = {"status": status, "reward": reward, "info": info or {}}
-        data = (await self._call("POST", f"/api/v1/attempts/{attempt_id}/complete", body)).json()
-        return schema.AttemptOut.model_validate(data["attempt"]), bool(data["duplicate"])
+        """Returns (attempt, duplicate); the attempt's `calls` counts its recorded calls (0: it ended
+        before any model call was answered). "released" requeues the rollout without using up an
+        attempt (no fault of the harness); info["reason"] becomes the failure_reason. Raises
+        GatewayError 409 for a stale attempt."""
+        body = schema.CompleteRequest(status=status, reward=reward, info=info or {})
+        r = await self._call("POST", f"/api/v1/attempts/{attempt_id}/complete", body.model_dump(mode="json"))
+        out = schema.CompleteResponse.model_validate_json(r.content)
+        return out.attempt, out.duplicate
+
+    async def release_running(self, pool: str = "default", *, reason: str | None = None) -> int:
+        """Release every running attempt of the pool, passed leases included, requeuing their rollouts
+        uncharged; returns how many were released. For a runner resuming after its process died."""
+        body = {} if reason is None else schema.ReleaseRunning(reason=reason).model_dump(mode="json")
+        r = await self._call("POST", f"/api/v1/pools/{pool}/release-running", body)
+        return schema.ReleasedResponse.model_validate_json(r.content).released
+
+    async def hold(self, rollout_ids: Sequence[str]) -> int:
+        """Queued rollouts of these become held (not claimable); returns how many changed."""
+        r = await self._call("POST", "/api/v1/rollouts/hold", {"ids": list(rollout_ids)})
+        return schema.ChangedResponse.model_validate_json(r.content).changed
+
+    async def unhold(self, rollout_ids: Sequence[str]) -> int:
+        """Held rollouts of these become queued again; returns how many changed."""
+        r = await self._call("POST", "/api/v1/rollouts/unhold", {"ids": list(rollout_ids)})
+        return schema.ChangedResponse.model_validate_json(r.content).changed
 
     async def posted_reward(self, attempt_id: str) -> schema.PostedRewardOut | None:
         """The reward the attempt's harness posted to the gateway, or None if it posted none."""
@@ -118,13 +162,17 @@ class GatewayClient:
         params: dict[str, Any] = {"after": after, "limit": limit, "bodies": str(bodies).lower()}
         if status is not None:
             params["status"] = status
-        async with self._http.stream("GET", "/api/v1/export/rollouts", params=params) as r:
+        request = self._http.build_request("GET", "/api/v1/export/rollouts", params=params)
+        r = await self._connected(lambda: self._http.send(request, stream=True))
+        try:
             if r.status_code >= 400:
                 await r.aread()
                 raise GatewayError(r.status_code, r.text)
             async for line in r.aiter_lines():
                 if line:
                     yield schema.ExportedRollout.model_validate_json(line)
+        finally:
+            await r.aclose()
 
     async def register_version(self, version: int, engines: list[str], *, activate: bool = False) -> None:
         await self._call(

@@ -95,8 +95,10 @@ async def heartbeat(
     return _json(out)
 
 
-@router.post("/attempts/{attempt_id}/complete")
+@router.post("/attempts/{attempt_id}/complete", response_model=schema.CompleteResponse)
 async def complete(request: Request, attempt_id: str, body: schema.CompleteRequest) -> Response:
+    """Finish an attempt: succeeded, failed, or released (no fault of the harness: its rollout is
+    requeued without using up an attempt). The answer's `attempt.calls` counts its recorded calls."""
     try:
         out, duplicate = await _store(request).complete(attempt_id, body)
     except NotFound as exc:
@@ -104,7 +106,33 @@ async def complete(request: Request, attempt_id: str, body: schema.CompleteReque
     except Conflict as exc:
         raise APIError(409, str(exc), code="stale_attempt") from None
     _calls(request).forget_attempt(attempt_id)
-    return _json({"attempt": out.model_dump(mode="json"), "duplicate": duplicate})
+    return _json(schema.CompleteResponse(attempt=out, duplicate=duplicate))
+
+
+@router.post("/pools/{pool}/release-running", response_model=schema.ReleasedResponse)
+async def release_running(request: Request, pool: str, body: schema.ReleaseRunning | None = None) -> Response:
+    """Release every running attempt of the pool (passed leases included) and requeue their rollouts
+    uncharged, at once: a runner resuming after its process died owns attempts that will never
+    complete, and their rollouts should not wait out the leases."""
+    body = body or schema.ReleaseRunning()
+    released = await _store(request).release_running(pool, body.reason)
+    calls = _calls(request)
+    for attempt_id in released:
+        calls.forget_attempt(attempt_id)
+    return _json(schema.ReleasedResponse(released=len(released)))
+
+
+@router.post("/rollouts/hold", response_model=schema.ChangedResponse)
+async def hold(request: Request, body: schema.RolloutIds) -> Response:
+    """Queued rollouts become held, which no claim takes (running and finished ones are left alone):
+    after a resume, rollouts made for a model version not yet served again must wait for it."""
+    return _json(schema.ChangedResponse(changed=await _store(request).hold(body.ids)))
+
+
+@router.post("/rollouts/unhold", response_model=schema.ChangedResponse)
+async def unhold(request: Request, body: schema.RolloutIds) -> Response:
+    """Held rollouts become queued again, claimable."""
+    return _json(schema.ChangedResponse(changed=await _store(request).unhold(body.ids)))
 
 
 @router.get("/attempts/{attempt_id}/posted-reward", response_model=schema.PostedRewardResponse)

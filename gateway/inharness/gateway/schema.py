@@ -8,8 +8,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-RolloutStatus = Literal["queued", "running", "succeeded", "failed"]
-AttemptStatus = Literal["running", "succeeded", "failed"]
+# held: queued but not claimable until unheld (POST /rollouts/hold, /rollouts/unhold).
+RolloutStatus = Literal["queued", "held", "running", "succeeded", "failed"]
+# released: ended through no fault of the harness (its runner stopped, its engine or gateway was down);
+# the rollout is requeued and the attempt does not count against the rollout's max_attempts.
+AttemptStatus = Literal["running", "succeeded", "failed", "released"]
+CompletionStatus = Literal["succeeded", "failed", "released"]
+RELEASED_BY_RUNNER = "released by runner"
+MAX_ROLLOUT_IDS = 100_000
 
 
 class _Wire(BaseModel):
@@ -43,9 +49,27 @@ class HeartbeatRequest(_Wire):
 
 
 class CompleteRequest(_Wire):
-    status: Literal["succeeded", "failed"]
+    status: CompletionStatus
     reward: float | None = None
-    info: dict[str, Any] = Field(default_factory=dict)
+    info: dict[str, Any] = Field(
+        default_factory=dict, description="info['reason']: the failure_reason of a failed or released attempt"
+    )
+
+
+class ReleaseRunning(_Wire):
+    reason: str = Field(default=RELEASED_BY_RUNNER, min_length=1, max_length=4096)
+
+
+class ReleasedResponse(BaseModel):
+    released: int = Field(description="running attempts released, their rollouts requeued")
+
+
+class RolloutIds(_Wire):
+    ids: list[str] = Field(max_length=MAX_ROLLOUT_IDS)
+
+
+class ChangedResponse(BaseModel):
+    changed: int = Field(description="rollouts whose status changed; the others were left as they were")
 
 
 MAX_POSTED_INFO_BYTES = 65_536
@@ -84,6 +108,16 @@ class AttemptOut(BaseModel):
     reward: float | None = None
     failure_reason: str | None = None
     info: dict[str, Any] = Field(default_factory=dict)
+    calls: int | None = Field(
+        default=None,
+        description="set in the completion answer only: calls recorded for the attempt (one per choice); "
+        "0 means it ended before any model call was answered",
+    )
+
+
+class CompleteResponse(BaseModel):
+    attempt: AttemptOut
+    duplicate: bool = Field(description="the same completion was already stored; nothing changed")
 
 
 class ClaimedAttempt(BaseModel):

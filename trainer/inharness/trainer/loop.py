@@ -8,6 +8,11 @@ step, the model version and the export cursor: a resumed run re-creates nothing 
 Scheduling: `max_staleness` K = 0 is synchronous (batch k is created after version k is served);
 K ≥ 1 keeps up to K later batches running while batch k trains, so a sample may come from a
 version up to K behind the one it updates (each sample records its versions; `staleness_max`).
+Batches a resumed run adopts beyond that window are held in the gateway (not claimable) until the
+window reaches them, so a resume never serves a batch from an older version than a run would.
+
+A step needs samples: a batch in which no rollout produced a trainable sample ends the run with
+`NoTrainableSamples` rather than publishing a version trained on nothing.
 """
 
 import asyncio
@@ -45,6 +50,20 @@ class Policy(Protocol):
     def load_checkpoint(self, in_dir: Path) -> None: ...
 
 
+class NoTrainableSamples(Exception):
+    """Batch `batch` finished without a single trainable sample: every rollout failed (or none
+    called the model). Training on it would publish an unchanged model as a new version."""
+
+    def __init__(self, batch: int, rollouts: list[ExportedRollout]) -> None:
+        failed = sum(1 for r in rollouts if r.rollout.status == "failed")
+        calls = sum(len(r.calls) for r in rollouts)
+        super().__init__(
+            f"batch {batch}: no trainable sample: {failed} of {len(rollouts)} rollouts failed, "
+            f"{calls} model calls recorded"
+        )
+        self.batch = batch
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     run_name: str
@@ -70,6 +89,7 @@ class LoopState:
     version: int = 0  # model version being served
     cursor: int = 0  # export cursor: every finished rollout at or before it has been seen
     journal: dict[int, list[str]] = field(default_factory=dict)
+    wall_seconds: float = 0.0  # training time up to this state, over every process of the run
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "journal": {str(k): v for k, v in self.journal.items()}}
@@ -81,6 +101,7 @@ class LoopState:
             version=data["version"],
             cursor=data["cursor"],
             journal={int(k): v for k, v in data["journal"].items()},
+            wall_seconds=data.get("wall_seconds", 0.0),
         )
 
 
@@ -130,8 +151,10 @@ class TrainingLoop:
         run_dir: RunDir,
         state: LoopState,
         on_progress: Callable[[str, dict[str, Any]], None] | None = None,
+        engine_wait_seconds: float = 0.0,
     ) -> None:
         self.gw = gateway
+        self.engine_wait_seconds = engine_wait_seconds
         self.engine_urls = engine_urls
         self.policy = policy
         self.tasks = tasks
@@ -141,6 +164,8 @@ class TrainingLoop:
         self._progress = on_progress or (lambda _event, _data: None)
         self._finished: dict[str, ExportedRollout] = {}  # finished rollouts of batches not yet trained
         self._read_cursor = state.cursor
+        self._held: set[int] = set()  # adopted batches beyond the staleness window, held in the gateway
+        self.write_errors: list[str] = []  # outputs that could not be written; training went on
         # Batches created after the last checkpoint are in the journal file: adopt them, never re-create.
         if run_dir.journal.exists():
             for line in run_dir.journal.read_text().splitlines():
@@ -148,9 +173,18 @@ class TrainingLoop:
                 if entry["batch"] >= state.step:
                     state.journal.setdefault(entry["batch"], entry["rollouts"])
 
+    async def hold_adopted(self) -> None:
+        """Hold the adopted batches that lie beyond the staleness window (a sync run's next batch,
+        created by a run that died after its checkpoint): call it before rollouts are claimed."""
+        window = self.state.step + self.cfg.max_staleness
+        self._held = {b for b in self.state.journal if b > window}
+        ids = [i for b in sorted(self._held) for i in self.state.journal[b]]
+        if ids:
+            await self.gw.hold(ids)
+
     async def run(self, stop: asyncio.Event) -> None:
         truncate_metrics(self.dir.metrics, before_step=self.state.step)
-        start = time.monotonic()
+        start, wall_before = time.monotonic(), self.state.wall_seconds
         while self.state.step < self.cfg.steps and not stop.is_set():
             step = self.state.step
             t0 = time.monotonic()
@@ -161,9 +195,9 @@ class TrainingLoop:
             t1 = time.monotonic()
             samples, stats = build_batch(rollouts, max_tokens=self.cfg.max_tokens_per_sample)
             trainable = [s for s in samples if s.reward is not None]
-            update: dict[str, float] = {}
-            if trainable:
-                update = await asyncio.to_thread(self.policy.update, trainable, self.cfg.update)
+            if not trainable:
+                raise NoTrainableSamples(step, rollouts)
+            update = await asyncio.to_thread(self.policy.update, trainable, self.cfg.update)
             t2 = time.monotonic()
             await self._publish(self.state.version + 1)
             t3 = time.monotonic()
@@ -171,13 +205,24 @@ class TrainingLoop:
                 self._finished.pop(r.rollout.id, None)
             self.state.step += 1
             self.state.cursor = self._safe_cursor()
-            metrics = self._metrics(step, rollouts, trainable, stats, update, (t0, t1, t2, t3), start)
-            append_metrics(self.dir.metrics, metrics)
+            self.state.wall_seconds = wall_before + (t3 - start)
+            metrics = self._metrics(step, rollouts, trainable, stats, update, (t0, t1, t2, t3))
+            self._write(f"metrics of step {step}", append_metrics, self.dir.metrics, metrics)
             self._progress("step", metrics)
             last = self.state.step == self.cfg.steps
             if last or self.state.step % self.cfg.checkpoint_interval == 0:
-                await asyncio.to_thread(self.checkpoint)
+                await asyncio.to_thread(self._write, f"checkpoint step-{self.state.step}", self.checkpoint)
             await self.report("complete" if last else "running", reward_mean=metrics["reward_mean"])
+
+    def _write(self, what: str, write: Callable[..., Any], *args: Any) -> None:
+        """An output write that must not end the run (a full or read-only disk): say what was not
+        written and go on. Weights are not written this way: without them nothing can be served."""
+        try:
+            write(*args)
+        except OSError as exc:
+            message = f"could not write {what}: {exc}"
+            self.write_errors.append(message)
+            log.error(message)
 
     async def report(
         self, state: ProgressState, *, reward_mean: float | None = None, message: str | None = None
@@ -201,6 +246,9 @@ class TrainingLoop:
 
     async def _enqueue_up_to(self, last_batch: int) -> None:
         for batch in range(self.state.step, last_batch + 1):
+            if batch in self._held:
+                await self.gw.unhold(self.state.journal[batch])
+                self._held.discard(batch)
             if batch in self.state.journal:
                 continue
             tasks = batch_tasks(self.tasks, batch, self.cfg.batch_size, self.cfg.seed)
@@ -222,10 +270,13 @@ class TrainingLoop:
         pending = {b: set(ids) for b, ids in self.state.journal.items() if b >= self.state.step}
         delay = 0.05
         while not stop.is_set():
-            async for item in self.gw.export(after=self._read_cursor):
-                self._read_cursor = item.cursor
-                if any(item.rollout.id in ids for ids in pending.values()):
-                    self._finished[item.rollout.id] = item
+            try:
+                async for item in self.gw.export(after=self._read_cursor):
+                    self._read_cursor = item.cursor
+                    if any(item.rollout.id in ids for ids in pending.values()):
+                        self._finished[item.rollout.id] = item
+            except httpx.TransportError as exc:  # a gateway that died mid-stream: read on once it is back
+                log.warning("export of batch %d interrupted, reading on: %r", batch, exc)
             done = sum(1 for i in wanted if i in self._finished)
             self._progress("rollouts", {"batch": batch, "done": done, "total": len(wanted)})
             if wanted_set <= self._finished.keys():
@@ -248,15 +299,8 @@ class TrainingLoop:
         path = await asyncio.to_thread(self.policy.save_pretrained, self.dir.weights / f"v{version}")
         await self.gw.pause(drain_seconds=60)
         try:
-            async with aiohttp.ClientSession() as session:
-                for url in self.engine_urls:
-                    async with session.post(
-                        f"{url}/inharness/v1/load_weights", json={"path": str(path)}
-                    ) as r:
-                        if r.status != 200:
-                            raise RuntimeError(
-                                f"engine {url} refused the weights of version {version}: {await r.text()}"
-                            )
+            for url in self.engine_urls:
+                await self._load_weights(url, path, version)
             await self.gw.register_version(version, self.engine_urls, activate=True)
         finally:
             await self.gw.resume()
@@ -264,6 +308,31 @@ class TrainingLoop:
         stale = self.dir.weights / f"v{version - 2}"
         if stale.exists():
             shutil.rmtree(stale)
+
+    async def _load_weights(self, url: str, path: Path, version: int) -> None:
+        """Load `path` into the engine at `url`; an engine that cannot be reached is waited for (up
+        to `engine_wait_seconds`: a supervisor may be restarting it), one that refuses is an error."""
+        deadline = time.monotonic() + self.engine_wait_seconds
+        delay = 0.2
+        load = {"path": str(path)}
+        while True:
+            try:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.post(f"{url}/inharness/v1/load_weights", json=load) as r,
+                ):
+                    if r.status != 200:
+                        raise RuntimeError(
+                            f"engine {url} refused the weights of version {version}: {await r.text()}"
+                        )
+                    return
+            except aiohttp.ClientConnectionError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"engine {url} unreachable while loading version {version}: {exc}"
+                    ) from exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -293,7 +362,6 @@ class TrainingLoop:
         stats: Any,
         update: dict[str, float],
         times: tuple[float, float, float, float],
-        start: float,
     ) -> dict[str, Any]:
         ok = [
             r.rollout.reward
@@ -326,5 +394,5 @@ class TrainingLoop:
             "time_update_s": t2 - t1,
             "time_publish_s": t3 - t2,
             "time_step_s": t3 - t0,
-            "wall_s": t3 - start,
+            "wall_s": self.state.wall_seconds,
         }

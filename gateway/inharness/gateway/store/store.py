@@ -24,6 +24,10 @@ from inharness.gateway.store.tables import attempts, calls, metadata, model_vers
 
 SqliteSync = Literal["off", "normal", "full"]
 _INSERT_CALLS = insert(calls).returning(calls.c.id, sort_by_parameter_order=True)
+# Ids bound per IN (...): well under SQLite's limit on a statement's parameters.
+_IDS_PER_STATEMENT = 500
+# A completion's failure_reason when its info gives none.
+_DEFAULT_REASONS = {"failed": "failed by runner", "released": schema.RELEASED_BY_RUNNER}
 
 
 class StoreError(Exception):
@@ -44,7 +48,7 @@ class AttemptAuth:
 
     id: str
     rollout_id: str
-    status: str  # running | succeeded | failed | expired
+    status: str  # running | succeeded | failed | released | expired
     lease_expires_at: float
 
 
@@ -261,16 +265,19 @@ class Store:
     async def complete(self, attempt_id: str, req: schema.CompleteRequest) -> tuple[schema.AttemptOut, bool]:
         """Finish a running attempt. Returns (attempt, duplicate): repeating the same completion is
         answered with the stored outcome and changes nothing; any other completion of a finished or
-        expired attempt is a Conflict."""
+        expired attempt is a Conflict. A released attempt's rollout is requeued without being charged.
+
+        The answer counts the attempt's recorded calls. No flush of the call writer is needed: a
+        harness gets its answer (or a stream's finish) only after the commit that holds the call, so
+        every call it was answered is counted; a call still in flight has answered nobody yet."""
         now = time.time()
         async with self._writing() as conn:
             row = await _attempt_row(conn, attempt_id)
             if row.status != "running" or row.lease_expires_at < now:
                 same = row.status == req.status and row.reward == req.reward
                 if same and row.failure_reason != "lease expired":
-                    return _attempt_out(row), True
+                    return _attempt_out(row, calls=await _count_calls(conn, attempt_id)), True
                 raise Conflict(f"attempt {attempt_id} is {_attempt_state(row, now)}; completion refused")
-            reason = None if req.status == "succeeded" else str(req.info.get("reason") or "failed by runner")
             await conn.execute(
                 update(attempts)
                 .where(attempts.c.id == attempt_id)
@@ -279,12 +286,35 @@ class Store:
                     finished_at=now,
                     reward=req.reward,
                     info=req.info,
-                    failure_reason=reason if req.status == "failed" else None,
+                    failure_reason=_failure_reason(req),
                 )
             )
             await _settle_rollout(conn, row.rollout_id, req.status, req.reward, now)
             row = await _attempt_row(conn, attempt_id)
-        return _attempt_out(row), False
+            return _attempt_out(row, calls=await _count_calls(conn, attempt_id)), False
+
+    async def release_running(self, pool: str, reason: str) -> list[str]:
+        """Release every running attempt of the pool, passed leases included, and requeue their
+        rollouts uncharged, in one transaction; returns the released attempts' ids. For a runner
+        restarting after its process died: the attempts it ran will never complete, and waiting out
+        their leases would only delay their rollouts (and charge them an attempt)."""
+        now = time.time()
+        async with self._writing() as conn:
+            running = (
+                await conn.execute(
+                    select(attempts.c.id, attempts.c.rollout_id).where(
+                        attempts.c.pool == pool, attempts.c.status == "running"
+                    )
+                )
+            ).all()
+            for row in running:
+                await conn.execute(
+                    update(attempts)
+                    .where(attempts.c.id == row.id)
+                    .values(status="released", finished_at=now, failure_reason=reason)
+                )
+                await _settle_rollout(conn, row.rollout_id, "released", None, now)
+        return [row.id for row in running]
 
     async def post_reward(
         self, attempt_id: str, reward: float, info: dict[str, Any]
@@ -369,6 +399,29 @@ class Store:
             return None
         status = "expired" if row.status == "running" and row.lease_expires_at < time.time() else row.status
         return AttemptAuth(row.id, row.rollout_id, status, row.lease_expires_at)
+
+    async def hold(self, rollout_ids: Sequence[str]) -> int:
+        """Move queued rollouts to held, where no claim takes them; running and finished ones are left
+        alone. Returns how many changed. For a resumed synchronous run: rollouts made for a later model
+        version must wait until that version is served again."""
+        return await self._move_rollouts(rollout_ids, "queued", "held")
+
+    async def unhold(self, rollout_ids: Sequence[str]) -> int:
+        """Move held rollouts back to queued. Returns how many changed."""
+        return await self._move_rollouts(rollout_ids, "held", "queued")
+
+    async def _move_rollouts(self, rollout_ids: Sequence[str], source: str, target: str) -> int:
+        changed = 0
+        async with self._writing() as conn:
+            for start in range(0, len(rollout_ids), _IDS_PER_STATEMENT):
+                chunk = list(rollout_ids[start : start + _IDS_PER_STATEMENT])
+                result = await conn.execute(
+                    update(rollouts)
+                    .where(rollouts.c.id.in_(chunk), rollouts.c.status == source)
+                    .values(status=target)
+                )
+                changed += result.rowcount
+        return changed
 
     async def count_rollouts(self, status: str) -> int:
         async with self._engine.connect() as conn:
@@ -622,11 +675,15 @@ def _attempt_state(row: Any, now: float) -> str:
 async def _settle_rollout(
     conn: AsyncConnection, rollout_id: str, status: str, reward: float | None, now: float
 ) -> None:
-    """After an attempt ends: finish the rollout, or requeue it while attempts remain."""
+    """After an attempt ends: requeue the rollout when the attempt was released, or failed while
+    attempts remain; else finish it. Released attempts are not charged: they ended through no fault
+    of the harness."""
     ro = (await conn.execute(select(rollouts).where(rollouts.c.id == rollout_id))).first()
     if ro is None or ro.status != "running":
         return
-    if status == "failed" and ro.attempts_started < ro.max_attempts:
+    if status == "released" or (
+        status == "failed" and await _charged_attempts(conn, rollout_id) < ro.max_attempts
+    ):
         await conn.execute(update(rollouts).where(rollouts.c.id == rollout_id).values(status="queued"))
         return
     seq = (await conn.scalar(select(func.coalesce(func.max(rollouts.c.finish_seq), 0)))) or 0
@@ -637,7 +694,28 @@ async def _settle_rollout(
     )
 
 
-def _attempt_out(row: Any) -> schema.AttemptOut:
+async def _charged_attempts(conn: AsyncConnection, rollout_id: str) -> int:
+    """Attempts of the rollout that count against its max_attempts: all but the released ones.
+    Counted from the attempts themselves, so stores made before releases existed need no migration."""
+    return int(
+        await conn.scalar(
+            select(func.count()).where(attempts.c.rollout_id == rollout_id, attempts.c.status != "released")
+        )
+        or 0
+    )
+
+
+async def _count_calls(conn: AsyncConnection, attempt_id: str) -> int:
+    return int(await conn.scalar(select(func.count()).where(calls.c.attempt_id == attempt_id)) or 0)
+
+
+def _failure_reason(req: schema.CompleteRequest) -> str | None:
+    if req.status == "succeeded":
+        return None
+    return str(req.info.get("reason") or _DEFAULT_REASONS[req.status])
+
+
+def _attempt_out(row: Any, *, calls: int | None = None) -> schema.AttemptOut:
     return schema.AttemptOut(
         id=row.id,
         rollout_id=row.rollout_id,
@@ -650,6 +728,7 @@ def _attempt_out(row: Any) -> schema.AttemptOut:
         reward=row.reward,
         failure_reason=row.failure_reason,
         info=row.info or {},
+        calls=calls,
     )
 
 

@@ -2,8 +2,12 @@
 attempt, and report each outcome.
 
 The claim loop, leases and reporting are the same whatever runs the harness, so they live here in
-`ClaimingController`; a backend (local processes now, Kubernetes pods later) only says how to run
-one attempt to an `Outcome`. Callers depend on `RolloutBackend` alone.
+`ClaimingController`; a backend (local processes, Kubernetes pods) only says how to run one attempt
+to an `Outcome`. Callers depend on `RolloutBackend` alone.
+
+Three ways an attempt ends: `succeeded`, `failed` (the harness's fault: it counts against the
+rollout's `maxAttemptsPerRollout`) and `released` (not the harness's fault: the controller was
+stopped, or the machine's engine or gateway was down; the rollout is requeued uncharged).
 """
 
 import asyncio
@@ -12,7 +16,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
@@ -32,7 +36,7 @@ class Outcome:
     """How one attempt ended, as reported to the gateway; a failure's `info["reason"]` says why in
     words a user can act on."""
 
-    status: Literal["succeeded", "failed"]
+    status: Literal["succeeded", "failed", "released"]
     reward: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -50,9 +54,41 @@ class Outcome:
         unless the harness posted a reward to the gateway (`ClaimingController.with_posted_reward`)."""
         return cls("failed", None, {"reason": reason, **info, REWARD_MISSING: True})
 
+    @classmethod
+    def released(cls, reason: str, **info: Any) -> "Outcome":
+        """Not the harness's fault (a stop, an outage of the infrastructure): requeued uncharged."""
+        return cls("released", None, {"reason": reason, **info})
+
     @property
     def reason(self) -> str | None:
         return self.info.get("reason")
+
+
+class RunnerFault(Exception):
+    """The runner itself cannot run attempts (it cannot write its own files, say): the attempt is
+    released and the controller stops with this message, rather than burning every attempt."""
+
+
+Outage = Callable[[float], Awaitable[str | None]]
+"""Why a failure of an attempt that started at this time (time.time()) is the infrastructure's
+fault, e.g. "engine restarted (exited with code -9)"; None when nothing was down."""
+
+
+# What a user can do about a failure, by how its reason starts; shown when a run stops early.
+FIXES = {
+    "could not start": "check the HarnessSpec's command (on PATH, or relative to workingDir) and workingDir",
+    "exited with code": "the harness failed before calling the model: read its stderr.log",
+    "killed by signal": "the harness was killed before calling the model: read its stderr.log",
+    "timed out after": "the harness made no model call within timeoutSeconds: does it read the model "
+    "endpoint from the environment variables the HarnessSpec's model section names?",
+    "result file missing": 'the harness must write {"reward": ...} to the file its outcome\'s '
+    "resultFileEnv names, or post its reward to the gateway",
+}
+
+
+def fix_for(reason: str) -> str | None:
+    """What a user can do about a failure with this reason, where it is known."""
+    return next((fix for start, fix in FIXES.items() if reason.startswith(start)), None)
 
 
 OnFinish = Callable[[ClaimedAttempt, Outcome], None]
@@ -65,7 +101,9 @@ class RolloutBackend(Protocol):
     started: int
     succeeded: int
     failed: int
+    released: int
     failed_by_reason: Counter[str]
+    fatal: str | None
 
     @property
     def running(self) -> int: ...
@@ -100,8 +138,14 @@ def reason_key(reason: str) -> str:
 class ClaimingController(ABC):
     """Keeps up to `parallelism` attempts of `pool_name` running: claims while below it, polls with
     a bounded backoff while the queue is empty, heartbeats each attempt's lease, and reports its
-    outcome. On `stop`, claiming ends, running attempts are aborted with reason "stopped" and `run`
-    returns once every one of them has been cleaned up and reported."""
+    outcome. On `stop`, claiming ends, running attempts are aborted and released (reason "stopped",
+    not charged to their rollouts) and `run` returns once every one of them has been reported.
+
+    It also stops by itself, with `fatal` saying why, when rollouts cannot work: after
+    `max_consecutive_failures` attempts in a row failed the same way (`reason_key`) before any model
+    call was recorded (a missing harness command, a harness that crashes at import), or at a
+    `RunnerFault`. `outage`, when given, turns a failure during an infrastructure outage into a
+    release."""
 
     idle_min_seconds = 0.05
     idle_max_seconds = 0.5
@@ -121,6 +165,8 @@ class ClaimingController(ABC):
         heartbeat_seconds: float,
         log: Callable[[str], None] | None = None,
         on_finish: OnFinish | None = None,
+        max_consecutive_failures: int = 0,
+        outage: Outage | None = None,
     ) -> None:
         self.gateway = gateway
         self.pool_name = pool_name
@@ -132,8 +178,15 @@ class ClaimingController(ABC):
         self.started = 0
         self.succeeded = 0
         self.failed = 0
+        self.released = 0
         self.unreported = 0
         self.failed_by_reason: Counter[str] = Counter()
+        self.max_consecutive_failures = max_consecutive_failures
+        self.outage = outage
+        self.fatal: str | None = None
+        self.halted = asyncio.Event()  # set with `fatal`
+        self.last_failure: tuple[str, str] | None = None  # (attempt id, reason)
+        self._streak: tuple[str, int] = ("", 0)  # (reason key, attempts in a row) failed with no call
         self._active: dict[asyncio.Task[None], Abort] = {}
         limit = self.gateway_concurrency
         self._gate: contextlib.AbstractAsyncContextManager[Any] = (
@@ -146,13 +199,24 @@ class ClaimingController(ABC):
 
     @abstractmethod
     async def execute(self, attempt: ClaimedAttempt, abort: Abort) -> Outcome:
-        """Run one attempt to its outcome; end early (and clean up) once `abort` is set."""
+        """Run one attempt to its outcome; end early (and clean up) once `abort` is set. Raise
+        `RunnerFault` when the runner itself is broken."""
+
+    def logs_of(self, attempt_id: str) -> str:
+        """Where a user reads what the attempt's harness printed (shown when a run stops early)."""
+        return ""
+
+    def halt(self, why: str) -> None:
+        """Stop claiming and end the run: rollouts cannot work (the first reason wins)."""
+        if self.fatal is None:
+            self.fatal = why
+            self.halted.set()
 
     async def run(self, stop: asyncio.Event) -> None:
         stopped = asyncio.create_task(stop.wait())
         idle = self.idle_min_seconds
         try:
-            while not stop.is_set():
+            while not stop.is_set() and self.fatal is None:
                 self._prune()
                 if len(self._active) >= self.parallelism:
                     await asyncio.wait([*self._active, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -164,7 +228,7 @@ class ClaimingController(ABC):
                     continue
                 idle = self.idle_min_seconds
                 abort = Abort()
-                if stop.is_set():
+                if stop.is_set() or self.fatal is not None:
                     abort.trigger("stopped")
                 self._active[asyncio.create_task(self._attempt(attempt, abort))] = abort
         finally:
@@ -192,26 +256,69 @@ class ClaimingController(ABC):
     async def _attempt(self, attempt: ClaimedAttempt, abort: Abort) -> None:
         self.started += 1
         beats = asyncio.create_task(self._heartbeats(attempt, abort))
-        start = time.monotonic()
+        start, started_at = time.monotonic(), time.time()
         try:
             if abort.is_set():
                 outcome = Outcome.failure(abort.reason)
             else:
                 outcome = await self.with_posted_reward(attempt, await self.execute(attempt, abort))
+        except RunnerFault as exc:
+            self.halt(str(exc))
+            outcome = Outcome.released(f"runner fault: {exc}")
         except Exception as exc:
             outcome = Outcome.failure(f"runner error: {type(exc).__name__}: {exc}")
         finally:
             beats.cancel()
+        outcome = await self._released_if_not_its_fault(outcome, abort, started_at)
         outcome = replace(outcome, info={**outcome.info, "seconds": round(time.monotonic() - start, 3)})
         if outcome.status == "succeeded":
             self.succeeded += 1
+        elif outcome.status == "released":
+            self.released += 1
         else:
             self.failed += 1
             self.failed_by_reason[reason_key(outcome.reason or "failed")] += 1
-        if not await self._report(attempt, outcome):
+            self.last_failure = (attempt.id, outcome.reason or "failed")
+        calls = await self._report(attempt, outcome)
+        if calls is None:
             self.unreported += 1
+        else:
+            self._count_streak(attempt, outcome, calls)
         if self.on_finish is not None:
             self.on_finish(attempt, outcome)
+
+    async def _released_if_not_its_fault(self, outcome: Outcome, abort: Abort, started_at: float) -> Outcome:
+        """A stop (Ctrl-C, the run ending) or an infrastructure outage is not the harness's fault."""
+        if outcome.status != "failed":
+            return outcome
+        if abort.is_set() and abort.reason == "stopped":
+            return Outcome.released("stopped", **_without_reason(outcome.info))
+        if self.outage is not None:
+            why = await self.outage(started_at)
+            if why is not None:
+                return Outcome.released(f"{why} (was: {outcome.reason})", **_without_reason(outcome.info))
+        return outcome
+
+    def _count_streak(self, attempt: ClaimedAttempt, outcome: Outcome, calls: int) -> None:
+        """Halt after `max_consecutive_failures` attempts in a row failed the same way before any
+        model call: such a harness cannot produce anything to train on, and each try costs time."""
+        if outcome.status == "released":
+            return
+        if outcome.status == "succeeded" or calls > 0:
+            self._streak = ("", 0)
+            return
+        key = reason_key(outcome.reason or "failed")
+        same, count = self._streak
+        self._streak = (key, count + 1 if key == same else 1)
+        limit = self.max_consecutive_failures
+        if limit and self._streak[1] >= limit:
+            logs = self.logs_of(attempt.id)
+            fix = fix_for(outcome.reason or "")
+            self.halt(
+                f"{limit} attempts in a row failed before any model call was recorded: {outcome.reason}"
+                + (f"\n  logs of the last one: {logs}" if logs else "")
+                + (f"\n  fix: {fix}" if fix else "")
+            )
 
     async def with_posted_reward(self, attempt: ClaimedAttempt, outcome: Outcome) -> Outcome:
         """The outcome to report. The result file's reward wins; only a harness that ended normally
@@ -253,21 +360,24 @@ class ClaimingController(ABC):
             except httpx.HTTPError as exc:
                 self.log(f"attempt {attempt.id}: heartbeat failed, retrying: {exc!r}")
 
-    async def _report(self, attempt: ClaimedAttempt, outcome: Outcome) -> bool:
-        """Complete the attempt; False when the gateway would not take it. A 409 means its lease
-        expired meanwhile: the gateway has already requeued the rollout, so there is nothing to do."""
+    async def _report(self, attempt: ClaimedAttempt, outcome: Outcome) -> int | None:
+        """Complete the attempt: the number of model calls recorded for it, or None when the gateway
+        would not take it. A 409 means its lease expired meanwhile: the gateway has already requeued
+        the rollout, so there is nothing to do."""
         for tries in range(1, self.report_tries + 1):
             try:
                 async with self._gate:
-                    await self.gateway.complete(attempt.id, outcome.status, outcome.reward, outcome.info)
-                return True
+                    done, _ = await self.gateway.complete(
+                        attempt.id, outcome.status, outcome.reward, outcome.info
+                    )
+                return done.calls or 0
             except GatewayError as exc:
                 if exc.status == 409:
                     self.log(f"attempt {attempt.id}: completion refused, its lease expired: {exc.message}")
-                    return False
+                    return None
                 if exc.status < 500:
                     self.log(f"attempt {attempt.id}: completion rejected: {exc}")
-                    return False
+                    return None
                 error: Exception = exc
             except httpx.HTTPError as exc:
                 error = exc
@@ -277,4 +387,8 @@ class ClaimingController(ABC):
             f"attempt {attempt.id}: completion failed {self.report_tries} times, the lease will requeue "
             f"it: {error!r}"
         )
-        return False
+        return None
+
+
+def _without_reason(info: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in info.items() if k != "reason"}

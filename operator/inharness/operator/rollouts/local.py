@@ -26,8 +26,9 @@ from typing import Any, Literal
 
 from inharness.gateway.client import GatewayClient
 from inharness.gateway.schema import ClaimedAttempt
-from inharness.operator.rollouts import Abort, ClaimingController, OnFinish, Outcome
+from inharness.operator.rollouts import Abort, ClaimingController, OnFinish, Outage, Outcome, RunnerFault
 from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
+from inharness.procs import die_with_parent
 
 KEY_PLACEHOLDER = "inharness-key-is-in-the-url"
 """API key handed to a harness with keyIn=path: many clients refuse to start without one."""
@@ -82,6 +83,8 @@ class LocalRolloutController(ClaimingController):
         log: Callable[[str], None] | None = None,
         on_finish: OnFinish | None = None,
         kill_grace_seconds: float = 5.0,
+        max_consecutive_failures: int = 0,
+        outage: Outage | None = None,
     ) -> None:
         super().__init__(
             gateway,
@@ -91,15 +94,19 @@ class LocalRolloutController(ClaimingController):
             heartbeat_seconds=pool.heartbeat_seconds,
             log=log,
             on_finish=on_finish,
+            max_consecutive_failures=max_consecutive_failures,
+            outage=outage,
         )
         self.gateway_url = gateway_url.rstrip("/")
         self.pool = pool
         self.harness = harness
-        self.base_dir = Path(base_dir)
-        self.work_dir = Path(work_dir)
+        # Absolute once, here: a harness runs in `cwd` (and a forked one opens its files after changing
+        # into it), so every path it or its runner is given must not depend on the caller's directory.
+        self.base_dir = _absolute(base_dir)
+        self.work_dir = _absolute(work_dir)
         self.kill_grace_seconds = kill_grace_seconds
         wd = Path(harness.working_dir).expanduser() if harness.working_dir else None
-        self.cwd = self.base_dir if wd is None else wd if wd.is_absolute() else self.base_dir / wd
+        self.cwd = self.base_dir if wd is None else _absolute(self.base_dir / wd)
         self._zygote: Zygote | None = None
         self._zygote_lock = asyncio.Lock()
         if pool.local.preload:
@@ -117,16 +124,21 @@ class LocalRolloutController(ClaimingController):
             if self._zygote is not None:
                 await self._zygote.close()
 
+    def logs_of(self, attempt_id: str) -> str:
+        adir = self.work_dir / attempt_id
+        return f"{adir / 'stderr.log'} (and stdout.log beside it)"
+
     async def execute(self, attempt: ClaimedAttempt, abort: Abort) -> Outcome:
         adir = self.work_dir / attempt.id
-        adir.mkdir(parents=True, exist_ok=True)
         h, outcome = self.harness, self.harness.outcome
         result = adir / "result.json"
-        env = {
-            **os.environ,
-            **{e.name: e.value for e in h.env},
-            **self._task_env(attempt, adir / "task.json"),
-        }
+        try:
+            adir.mkdir(parents=True, exist_ok=True)
+            task_env = self._task_env(attempt, adir / "task.json")
+            (adir / "stdout.log").touch()
+        except OSError as exc:
+            raise RunnerFault(f"cannot write the attempt's files in {self.work_dir}: {exc}") from exc
+        env = {**os.environ, **{e.name: e.value for e in h.env}, **task_env}
         env.update(self._model_env(attempt.token))
         env["INHARNESS_ATTEMPT_ID"], env["INHARNESS_ROLLOUT_ID"] = attempt.id, attempt.rollout_id
         if outcome.type != "exitCode":
@@ -299,6 +311,7 @@ class LocalRolloutController(ClaimingController):
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
+                preexec_fn=die_with_parent,  # a SIGKILLed runner leaves no harness behind
             )
         return proc.pid, proc.wait()
 
@@ -513,6 +526,11 @@ def _group_alive(pgid: int) -> bool:
         if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             return True
     return False
+
+
+def _absolute(path: Path | str) -> Path:
+    """`path` made absolute against the current directory and normalised (no `..`), symlinks kept."""
+    return Path(os.path.abspath(path))
 
 
 def _signal_name(number: int) -> str:
