@@ -15,11 +15,16 @@ import secrets
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from inharness.procs import ServerProcess, free_port
+
+if TYPE_CHECKING:
+    from inharness.operator.rollouts import ClaimingController
+    from inharness.runlock import RunLock
+    from inharness.trainer.loop import LoopState, NoTrainableSamples, RunDir
 
 
 class _Progress:
@@ -189,8 +194,8 @@ async def _train_locked(
     file: Path,
     specs: Any,
     tasks: list[Any],
-    rd: Any,
-    lock: Any,
+    rd: "RunDir",
+    lock: "RunLock",
     *,
     resume: bool,
     max_consecutive_failures: int,
@@ -242,7 +247,6 @@ async def _train_locked(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     progress: _Progress | None = None
-    controller: LocalRolloutController | None = None
     training: TrainingLoop | None = None
     failure: str | None = None
     try:
@@ -327,7 +331,7 @@ RECONNECT_SECONDS = 120.0
 """How long the trainer and the rollout controller wait for a restarted engine or gateway."""
 
 
-def _explain_empty_batch(exc: Exception, controller: Any) -> str:
+def _explain_empty_batch(exc: "NoTrainableSamples", controller: "ClaimingController") -> str:
     """Why a batch gave nothing to train on, with the failure reasons counted and where to look."""
     from inharness.operator.rollouts import fix_for
 
@@ -346,7 +350,7 @@ def _explain_empty_batch(exc: Exception, controller: Any) -> str:
     return "\n".join(lines)
 
 
-def _write_results(name: str, rd: Any, state: Any) -> list[str]:
+def _write_results(name: str, rd: "RunDir", state: "LoopState") -> list[str]:
     """reward.png, summary.json and the summary table, each written if it can be: what could not
     be written is returned, and the rest is kept."""
     from inharness.trainer.report import plot_rewards, read_metrics, summarize, summary_table

@@ -78,7 +78,7 @@ async def _train(
     from inharness.gateway.schema import ProgressReport
     from inharness.operator.specfile import SpecError, load_specs, load_tasks
     from inharness.run import load_policy, loop_config
-    from inharness.trainer.loop import RunDir, TrainingLoop
+    from inharness.trainer.loop import NoTrainableSamples, RunDir, TrainingLoop
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -116,7 +116,8 @@ async def _train(
             health="/health",
         )
         try:
-            await asyncio.to_thread(engine.start)
+            engine.spawn()  # from the event loop's thread: the engine dies with this process
+            await asyncio.to_thread(engine.wait_healthy)
             await gw.register_version(state.version, [engine_url], activate=True)
             training = TrainingLoop(
                 gateway=gw,
@@ -130,7 +131,12 @@ async def _train(
             if state.step >= spec.steps:
                 await training.report("complete")
             else:
-                await training.run(stop)
+                try:
+                    await training.run(stop)
+                except NoTrainableSamples as exc:
+                    await training.report("failed", message=str(exc))
+                    print(f"inharness train: {exc}", file=sys.stderr)
+                    return 1
             if state.step >= spec.steps:
                 name = specs.training_run.metadata.name
                 print(f"{name}: all {spec.steps} steps done; waiting to be scaled down", flush=True)

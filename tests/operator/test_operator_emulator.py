@@ -358,7 +358,7 @@ async def test_emulator_progress_from_a_real_gateway_reaches_status_and_completi
     args = ["gateway", "--model", str(tiny_model), "--store", f"sqlite:///{tmp_path / 'gw.db'}"]
     args += ["--port", str(gateway_port), "--admin-token", token]
     gw = ServerProcess.inharness(args, port=gateway_port, log=tmp_path / "gateway.log", health="/healthz")
-    await asyncio.to_thread(gw.start)
+    await asyncio.to_thread(gw.spawn().wait_healthy)
     try:
         await c.mark_up()
         async with GatewayClient(gw.url, token) as client:

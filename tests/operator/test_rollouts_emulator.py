@@ -844,7 +844,7 @@ def test_a_pod_killed_by_its_deletion_or_an_eviction_is_not_a_harness_failure() 
 async def own_gateway(tiny_model: Path, tmp_path: Path) -> AsyncIterator[GatewayServer]:
     """Its own gateway: the pool's `queued` count is the whole gateway's queue."""
     server = gateway_server(tiny_model, [], tmp_path / "gw.db", tmp_path, admin_token=ADMIN)
-    await asyncio.to_thread(server.start)
+    await asyncio.to_thread(server.spawn().wait_healthy)
     try:
         yield server
     finally:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from testsupport import Server, free_port, gateway_server
 
@@ -82,7 +83,8 @@ def start_trainer(config: Path, out: Path, gateway: Server, log: Path) -> subpro
 
 
 async def play_rollout_pool(gw: GatewayClient, trainer: subprocess.Popen[bytes], log: Path) -> int:
-    """Complete every attempt the trainer queues (rewards 1, 0, 1, ...) until it reports completion."""
+    """Make one model call in every attempt the trainer queues, as a harness would, and complete it
+    (rewards 1, 0, 1, ...) until the trainer reports completion."""
     completed, deadline = 0, time.monotonic() + 240
     while time.monotonic() < deadline:
         assert trainer.poll() is None, f"the trainer exited with {trainer.returncode}:\n{tail(log)}"
@@ -93,9 +95,19 @@ async def play_rollout_pool(gw: GatewayClient, trainer: subprocess.Popen[bytes],
         if attempt is None:
             await asyncio.sleep(0.1)
             continue
+        await call_the_model(gw.base_url, attempt.token)
         await gw.complete(attempt.id, "succeeded", reward=float(completed % 2 == 0))
         completed += 1
     pytest.fail(f"the trainer did not report completion:\n{tail(log)}")
+
+
+async def call_the_model(gateway_url: str, key: str) -> None:
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(
+            f"{gateway_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        )
+    assert r.status_code == 200, r.text
 
 
 async def waiting_to_be_scaled_down(trainer: subprocess.Popen[bytes], log: Path, *, times: int) -> None:
