@@ -47,7 +47,10 @@ class _Progress:
                 self.rollouts.set_description(f"rollouts of batch {data['batch']}")
             self.rollouts.n = data["done"]
             c = self._controller
-            self.rollouts.set_postfix(running=c.running, failed=c.failed, refresh=False)
+            counts = {"running": c.running, "failed": c.failed}
+            if c.released:  # requeued uncharged: stopped, or the engine or gateway was down
+                counts["released"] = c.released
+            self.rollouts.set_postfix(counts, refresh=False)
             self.rollouts.refresh()
         elif event == "step":
             self.steps.update(1)
@@ -305,6 +308,8 @@ async def _train_locked(
         failure = f"the gateway failed: {exc!r} (log: {rd.logs / 'gateway.log'})"
     except RuntimeError as exc:  # a child that would not start, an engine that refused weights
         failure = str(exc)
+    except OSError as exc:  # what the run cannot go on without: weights to serve, the batch journal
+        failure = f"cannot write: {exc}"
     finally:
         if progress is not None:
             progress.close()

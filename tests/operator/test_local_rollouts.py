@@ -729,3 +729,73 @@ async def test_relative_directories_reach_harnesses_as_absolute_paths(
             paths = {k: v for k, v in seen["env"].items() if k.endswith("_FILE")}
             assert paths and all(Path(v).is_absolute() for v in paths.values()), paths
             assert Path(paths["INHARNESS_RESULT_FILE"]) == adir / "result.json"
+
+
+async def test_a_failure_during_an_outage_is_released_and_not_charged(
+    gateway: Server, tmp_path: Path
+) -> None:
+    """The outage hook (`inharness run`'s supervisor) says the engine was down while the attempt ran:
+    the crash is not the harness's fault. Without an outage the same crash is charged."""
+    harness = harness_spec(uuid.uuid4().hex, tmp_path)
+    down: list[float] = []
+
+    async def outage(started_at: float) -> str | None:
+        down.append(started_at)
+        return "engine was killed by SIGKILL" if len(down) == 1 else None
+
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        [created] = await client.create_rollouts([{"run": "crash"}], pool="outage", max_attempts=1)
+        ctrl = LocalRolloutController(
+            client,
+            gateway.url,
+            "outage",
+            RolloutPoolSpec.model_validate({"harnessRef": {"name": "h"}}),
+            harness,
+            base_dir=HARNESSES,
+            work_dir=tmp_path / "work",
+            kill_grace_seconds=0.5,
+            outage=outage,
+        )
+        [out] = await run_batch(ctrl, client, [created.id])
+    first, second = out.attempts
+    assert first.status == "released"
+    assert first.failure_reason == "engine was killed by SIGKILL (was: exited with code 3)"
+    assert (second.status, second.failure_reason) == ("failed", "exited with code 3")
+    assert out.status == "failed" and (ctrl.released, ctrl.failed) == (1, 1), "only the second was charged"
+
+
+async def test_consecutive_failures_without_a_model_call_halt_the_controller(
+    gateway: Server, tmp_path: Path
+) -> None:
+    harness = harness_spec(uuid.uuid4().hex, tmp_path)
+    tasks: list[dict[str, Any]] = [{"run": "good", "question": "Hi", "reward": 1.0}] + [{"run": "crash"}] * 6
+    async with GatewayClient(gateway.url, ADMIN) as client:
+        created = await client.create_rollouts(tasks, pool="halting", max_attempts=1)
+        ctrl = LocalRolloutController(
+            client,
+            gateway.url,
+            "halting",
+            RolloutPoolSpec.model_validate({"harnessRef": {"name": "h"}, "parallelism": 1}),
+            harness,
+            base_dir=HARNESSES,
+            work_dir=tmp_path / "work",
+            kill_grace_seconds=0.5,
+            max_consecutive_failures=3,
+        )
+        await asyncio.wait_for(ctrl.run(asyncio.Event()), 60)  # returns by itself once halted
+        outs = [await client.get_rollout(r.id) for r in created]
+    assert [o.status for o in outs] == [
+        "succeeded",
+        "failed",
+        "failed",
+        "failed",
+        "queued",
+        "queued",
+        "queued",
+    ]
+    assert ctrl.fatal is not None and ctrl.halted.is_set()
+    assert ctrl.fatal.startswith(
+        "3 attempts in a row failed before any model call was recorded: exited with code 3"
+    )
+    assert str(tmp_path / "work" / outs[3].attempts[0].id / "stderr.log") in ctrl.fatal
+    assert "fix: the harness failed before calling the model" in ctrl.fatal

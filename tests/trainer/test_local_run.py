@@ -380,6 +380,8 @@ def test_a_killed_child_server_is_restarted_and_its_victims_are_not_charged(
     assert steps_of(out) == [0, 1, 2]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["failed_rollouts"] == 0 and m["samples"] > 0 for m in metrics), metrics
+    # The calc harness fails only when its model API fails: here, only while the child was down.
+    assert {status for status, _ in attempts_in_store(out)} <= {"succeeded", "released"}
     assert "Traceback" not in output
 
 

@@ -71,7 +71,7 @@ class RunnerFault(Exception):
 
 Outage = Callable[[float], Awaitable[str | None]]
 """Why a failure of an attempt that started at this time (time.time()) is the infrastructure's
-fault, e.g. "engine restarted (exited with code -9)"; None when nothing was down."""
+fault, e.g. "engine was killed by SIGKILL"; None when nothing was down."""
 
 
 # What a user can do about a failure, by how its reason starts; shown when a run stops early.
