@@ -3,9 +3,14 @@
 Starts the engine and the gateway (SQLite store in the output directory) on 127.0.0.1, the local
 rollout controller (one harness subprocess per attempt, whatever the RolloutPool's backend: a pool
 with backend kubernetes, as the operator runs it, runs here as local processes and its harness's
-image is not used), and the training loop. Ctrl-C stops
-cleanly: harnesses are killed with their process groups, children are stopped, and everything
-finished is in the store and the last checkpoint; `--resume` continues from there.
+image is not used), and the training loop.
+
+What a user can rely on: every path is absolute before a child sees it; the output directory is
+locked for one run, and the children die with it (even under SIGKILL); a child that dies is
+restarted (supervisor.py) and the attempts it failed are not charged; a run whose rollouts cannot
+work stops with one message that says why; Ctrl-C stops cleanly (harnesses killed with their
+process groups, in-flight attempts released, everything finished in the store and the last
+checkpoint) and `--resume` continues from there.
 """
 
 import asyncio
@@ -155,8 +160,8 @@ DEFAULT_MAX_CONSECUTIVE_FAILURES = 10
 """Attempts in a row that fail the same way before any model call, after which a run stops."""
 
 
-class _RunFailed(Exception):
-    """The run cannot go on; the message says why in one paragraph a user can act on."""
+RECONNECT_SECONDS = 120.0
+"""How long the trainer and the rollout controller wait for a restarted engine or gateway."""
 
 
 async def _train(
@@ -330,10 +335,6 @@ async def _train_locked(
         )
         return 130
     return 1 if unwritten else 0
-
-
-RECONNECT_SECONDS = 120.0
-"""How long the trainer and the rollout controller wait for a restarted engine or gateway."""
 
 
 def _explain_empty_batch(exc: "NoTrainableSamples", controller: "ClaimingController") -> str:
