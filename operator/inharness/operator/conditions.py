@@ -48,8 +48,3 @@ def merge(
 
 def find(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:
     return next((c for c in conditions or () if c.get("type") == type_), None)
-
-
-def is_true(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> bool:
-    c = find(conditions, type_)
-    return c is not None and c.get("status") == "True"

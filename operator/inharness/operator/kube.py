@@ -24,6 +24,8 @@ from typing import Any
 import aiohttp
 import yaml
 
+from inharness.operator.api import GROUP, HARNESSSPEC, ROLLOUTPOOL, TRAININGRUN, VERSION
+
 Obj = dict[str, Any]
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -60,13 +62,11 @@ CONFIGMAPS = Resource("", "v1", "configmaps")
 SERVICES = Resource("", "v1", "services")
 PERSISTENTVOLUMECLAIMS = Resource("", "v1", "persistentvolumeclaims")
 EVENTS = Resource("", "v1", "events")
-NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
 STATEFULSETS = Resource("apps", "v1", "statefulsets")
-JOBS = Resource("batch", "v1", "jobs")
-TRAININGRUNS = Resource("inharness.dev", "v1alpha1", "trainingruns")
-ROLLOUTPOOLS = Resource("inharness.dev", "v1alpha1", "rolloutpools")
-HARNESSSPECS = Resource("inharness.dev", "v1alpha1", "harnessspecs")
+TRAININGRUNS = Resource(GROUP, VERSION, TRAININGRUN.plural)
+ROLLOUTPOOLS = Resource(GROUP, VERSION, ROLLOUTPOOL.plural)
+HARNESSSPECS = Resource(GROUP, VERSION, HARNESSSPEC.plural)
 
 
 class KubeError(Exception):

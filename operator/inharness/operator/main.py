@@ -27,6 +27,7 @@ from prometheus_client import start_http_server
 from pydantic import BaseModel, Field, model_validator
 
 from inharness.operator import pools, trainingruns
+from inharness.operator.api import GROUP
 from inharness.operator.events import EventRecorder
 from inharness.operator.kube import KubeClient
 from inharness.operator.metrics import OperatorMetrics
@@ -34,8 +35,8 @@ from inharness.operator.render import RenderSettings
 
 log = logging.getLogger("inharness.operator")
 
-PREFIX = "inharness.dev"
-FINALIZER = "inharness.dev/finalizer"
+PREFIX = GROUP
+FINALIZER = f"{GROUP}/finalizer"
 DEFAULT_GATEWAY_URL = "http://{name}-gateway.{namespace}.svc:8000"
 
 

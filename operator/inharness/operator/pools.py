@@ -41,6 +41,7 @@ from inharness.gateway.client import GatewayClient, GatewayError
 from inharness.gateway.schema import ClaimedAttempt
 from inharness.operator import conditions as cond
 from inharness.operator import render
+from inharness.operator.api import GROUP, HARNESSSPEC, ROLLOUTPOOL, TRAININGRUN, VERSION
 from inharness.operator.events import EventRecorder
 from inharness.operator.kube import (
     DEPLOYMENTS,
@@ -66,7 +67,6 @@ from inharness.operator.spec import (
 
 log = logging.getLogger("inharness.operator.pools")
 
-GROUP, VERSION = "inharness.dev", "v1alpha1"
 DEGRADED_WINDOW = 20  # the last attempts the Degraded condition looks at
 DEGRADED_MIN = 4  # fewer outcomes than this (e.g. after a restart) leave Degraded as it was
 STOP_SECONDS = 60.0
@@ -442,16 +442,16 @@ def _notice(memo: Any, kind: str, event: Mapping[str, Any], body: Mapping[str, A
         manager.notice(kind, event.get("type"), body)
 
 
-@kopf.on.event(GROUP, VERSION, "rolloutpools")
+@kopf.on.event(GROUP, VERSION, ROLLOUTPOOL.plural)
 async def on_pool_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _notice(memo, "RolloutPool", event, body)
 
 
-@kopf.on.event(GROUP, VERSION, "harnessspecs")
+@kopf.on.event(GROUP, VERSION, HARNESSSPEC.plural)
 async def on_harness_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _notice(memo, "HarnessSpec", event, body)
 
 
-@kopf.on.event(GROUP, VERSION, "trainingruns")
+@kopf.on.event(GROUP, VERSION, TRAININGRUN.plural)
 async def on_run_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _notice(memo, "TrainingRun", event, body)

@@ -39,7 +39,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from inharness.operator.spec import API_VERSION, HarnessSpec, RolloutPool, TrainingRun
+from inharness.operator.api import API_VERSION
+from inharness.operator.spec import HarnessSpec, RolloutPool, TrainingRun
 
 Obj = dict[str, Any]
 

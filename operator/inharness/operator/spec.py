@@ -21,7 +21,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-API_VERSION = "inharness.dev/v1alpha1"
+from inharness.operator.api import API_VERSION
 
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
@@ -277,7 +277,7 @@ class HarnessSpec(SpecModel):
 
     status_model: ClassVar[type[SpecModel] | None] = None
 
-    api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
+    api_version: Literal[API_VERSION] = Field(description=f"Always {API_VERSION}.")
     kind: Literal["HarnessSpec"] = Field(description="Always HarnessSpec.")
     metadata: ObjectMeta = Field(description="Name and Kubernetes metadata.")
     spec: HarnessSpecSpec = Field(description="The harness process and its outcome.")
@@ -443,7 +443,7 @@ class RolloutPool(SpecModel):
 
     status_model: ClassVar[type[SpecModel] | None] = RolloutPoolStatus
 
-    api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
+    api_version: Literal[API_VERSION] = Field(description=f"Always {API_VERSION}.")
     kind: Literal["RolloutPool"] = Field(description="Always RolloutPool.")
     metadata: ObjectMeta = Field(description="Name (also the gateway queue's pool name) and metadata.")
     spec: RolloutPoolSpec = Field(description="Runners and their limits.")
@@ -815,7 +815,7 @@ class TrainingRun(SpecModel):
 
     status_model: ClassVar[type[SpecModel] | None] = TrainingRunStatus
 
-    api_version: Literal["inharness.dev/v1alpha1"] = Field(description="Always inharness.dev/v1alpha1.")
+    api_version: Literal[API_VERSION] = Field(description=f"Always {API_VERSION}.")
     kind: Literal["TrainingRun"] = Field(description="Always TrainingRun.")
     metadata: ObjectMeta = Field(description="Name and Kubernetes metadata.")
     spec: TrainingRunSpec = Field(description="What to train, on what, and how.")

@@ -17,7 +17,8 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from inharness.operator import spec as s
-from inharness.operator.spec import API_VERSION, KINDS, HarnessSpec, Resource, RolloutPool, TrainingRun
+from inharness.operator.api import API_VERSION
+from inharness.operator.spec import KINDS, HarnessSpec, Resource, RolloutPool, TrainingRun
 
 
 class SpecError(Exception):

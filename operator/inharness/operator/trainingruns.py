@@ -33,6 +33,7 @@ from inharness.gateway.client import GatewayClient, GatewayError
 from inharness.gateway.schema import ProgressOut
 from inharness.operator import conditions as cond
 from inharness.operator import render
+from inharness.operator.api import GROUP, HARNESSSPEC, ROLLOUTPOOL, TRAININGRUN, VERSION
 from inharness.operator.events import EventRecorder
 from inharness.operator.kube import (
     CONFIGMAPS,
@@ -66,7 +67,6 @@ from inharness.operator.spec import HarnessSpec, RolloutPool, TrainingRun, Train
 
 log = logging.getLogger("inharness.operator.trainingruns")
 
-GROUP, VERSION, PLURAL = "inharness.dev", "v1alpha1", "trainingruns"
 RESOURCES: dict[str, Resource] = {
     "Secret": SECRETS,
     "ConfigMap": CONFIGMAPS,
@@ -294,9 +294,9 @@ def context(memo: Any) -> Context:
     return memo.trainingruns
 
 
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+@kopf.on.resume(GROUP, VERSION, TRAININGRUN.plural)
+@kopf.on.create(GROUP, VERSION, TRAININGRUN.plural)
+@kopf.on.update(GROUP, VERSION, TRAININGRUN.plural, field="spec")
 async def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     try:
         await reconcile(context(memo), body)
@@ -304,7 +304,7 @@ async def on_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=5) from exc
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
+@kopf.on.event(GROUP, VERSION, TRAININGRUN.plural)
 async def on_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A deleted run: nothing to clean up (owner references do it), so no finalizer and no
     deletion handler; the operator only forgets the run's lock and phase."""
@@ -328,8 +328,8 @@ async def _referencing_runs(
     return [r for r in runs if ((r.get("spec") or {}).get("rolloutPoolRef") or {}).get("name") in names]
 
 
-@kopf.on.create(GROUP, VERSION, "rolloutpools")
-@kopf.on.update(GROUP, VERSION, "rolloutpools", field="spec")
+@kopf.on.create(GROUP, VERSION, ROLLOUTPOOL.plural)
+@kopf.on.update(GROUP, VERSION, ROLLOUTPOOL.plural, field="spec")
 async def on_pool_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A run's config includes its pool: re-render the runs that use this one (and the pool may
     have arrived after its run)."""
@@ -341,8 +341,8 @@ async def on_pool_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         raise kopf.TemporaryError(f"reconcile of the pool's runs failed: {exc}", delay=5) from exc
 
 
-@kopf.on.create(GROUP, VERSION, "harnessspecs")
-@kopf.on.update(GROUP, VERSION, "harnessspecs", field="spec")
+@kopf.on.create(GROUP, VERSION, HARNESSSPEC.plural)
+@kopf.on.update(GROUP, VERSION, HARNESSSPEC.plural, field="spec")
 async def on_harness_change(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     ctx = context(memo)
     try:

@@ -63,10 +63,11 @@ import httpx
 from inharness.gateway.client import GatewayClient, GatewayError
 from inharness.gateway.schema import ClaimedAttempt
 from inharness.operator import render
+from inharness.operator.api import API_VERSION
 from inharness.operator.kube import CONFIGMAPS, PODS, SECRETS, AlreadyExists, KubeClient, KubeError, NotFound
 from inharness.operator.rollouts import Abort, ClaimingController, OnFinish, Outcome, reason_key
 from inharness.operator.rollouts.local import KEY_PLACEHOLDER, NoReward, parse_result
-from inharness.operator.spec import API_VERSION, HarnessSpecSpec, KubernetesPool, RolloutPoolSpec
+from inharness.operator.spec import HarnessSpecSpec, KubernetesPool, RolloutPoolSpec
 
 _log = logging.getLogger(__name__)
 
