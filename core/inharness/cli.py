@@ -5,51 +5,63 @@ import os
 import secrets
 import sys
 from collections.abc import Sequence
+from typing import Literal, get_args, get_origin
+
+from inharness.engine import DEFAULT_PORT as ENGINE_PORT
 
 
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
+GATEWAY_ENV_PREFIX = "INHARNESS_GATEWAY_"
+
+
+def _gateway_flag(name: str) -> str:
+    return "--engine" if name == "engines" else "--" + name.replace("_", "-")
+
+
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:
+    """One flag per `GatewaySettings` field, generated, so that a new setting cannot lack one."""
+    from inharness.gateway.settings import GatewaySettings
+
     p = sub.add_parser(
         "gateway",
         help="run the recording gateway (OpenAI-compatible API for harnesses, control API for the trainer)",
-        description="Every flag also reads an env var, INHARNESS_GATEWAY_<FLAG> (engines: comma-separated).",
+        description=f"Every flag also reads an env var, {GATEWAY_ENV_PREFIX}<FIELD> (e.g. "
+        f"{GATEWAY_ENV_PREFIX}ADMIN_TOKEN; engines: {GATEWAY_ENV_PREFIX}ENGINES, comma-separated); "
+        "a flag wins over its env var.",
     )
-    p.add_argument(
-        "--model", default=_env("INHARNESS_GATEWAY_MODEL"), help="model dir (tokenizer, chat template)"
-    )
-    p.add_argument(
-        "--engine",
-        action="append",
-        default=None,
-        help="engine base URL (repeatable); vLLM's OpenAI server or `inharness engine`",
-    )
-    p.add_argument(
-        "--model-version", type=int, default=int(_env("INHARNESS_GATEWAY_MODEL_VERSION", "0") or 0)
-    )
-    p.add_argument("--store", default=_env("INHARNESS_GATEWAY_STORE", "sqlite:///inharness-gateway.db"))
-    p.add_argument(
-        "--sqlite-synchronous",
-        choices=["normal", "full"],
-        default=_env("INHARNESS_GATEWAY_SQLITE_SYNCHRONOUS", "normal"),
-        help="normal: answered calls survive a killed gateway; full: also a power loss (fsync per commit)",
-    )
-    p.add_argument("--host", default=_env("INHARNESS_GATEWAY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(_env("INHARNESS_GATEWAY_PORT", "8000") or 8000))
-    p.add_argument("--admin-token", default=_env("INHARNESS_GATEWAY_ADMIN_TOKEN"))
-    p.add_argument("--served-model-name", default=_env("INHARNESS_GATEWAY_SERVED_MODEL_NAME"))
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=int(_env("INHARNESS_GATEWAY_MAX_MODEL_LEN", "0") or 0) or None,
-        help="context length (default: the model config's max_position_embeddings)",
-    )
-    p.add_argument("--max-attempts", type=int, default=int(_env("INHARNESS_GATEWAY_MAX_ATTEMPTS", "3") or 3))
-    p.add_argument(
-        "--hold-seconds", type=float, default=float(_env("INHARNESS_GATEWAY_HOLD_SECONDS", "120") or 120)
-    )
+    for name, field in GatewaySettings.model_fields.items():
+        shown = "" if field.is_required() else f" (default: {field.get_default(call_default_factory=True)})"
+        options: dict[str, object] = {
+            "dest": name,
+            "default": None,
+            "help": (field.description or "") + shown,
+        }
+        if name == "engines":
+            options |= {
+                "action": "append",
+                "help": "engine base URL (repeatable): vLLM's server or `inharness engine`",
+            }
+        elif get_origin(field.annotation) is Literal:
+            options["choices"] = get_args(field.annotation)
+        p.add_argument(_gateway_flag(name), **options)  # type: ignore[arg-type]
+
+
+def _gateway_values(args: argparse.Namespace) -> dict[str, object]:
+    """The settings given as flags, else as env vars; the rest keep the model's defaults."""
+    from inharness.gateway.settings import GatewaySettings
+
+    values: dict[str, object] = {}
+    for name in GatewaySettings.model_fields:
+        value = getattr(args, name)
+        env = os.environ.get(GATEWAY_ENV_PREFIX + name.upper())
+        if value is None and env:
+            value = [e for e in env.split(",") if e] if name == "engines" else env
+        if value is not None:
+            values[name] = value
+    return values
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
@@ -58,31 +70,23 @@ def _run_gateway(args: argparse.Namespace) -> int:
     from inharness.gateway.app import serve
     from inharness.gateway.settings import GatewaySettings
 
-    engines = args.engine or [e for e in (_env("INHARNESS_GATEWAY_ENGINES") or "").split(",") if e]
-    token = args.admin_token
-    if not token:
-        token = secrets.token_hex(24)
-        print(f"no --admin-token given; generated one for this run: {token}", file=sys.stderr)
-    if not args.model:
-        print("inharness gateway: --model (or INHARNESS_GATEWAY_MODEL) is required", file=sys.stderr)
+    values = _gateway_values(args)
+    if "model" not in values:
+        print(f"inharness gateway: --model (or {GATEWAY_ENV_PREFIX}MODEL) is required", file=sys.stderr)
         return 2
+    if "admin_token" not in values:
+        values["admin_token"] = secrets.token_hex(24)
+        print(f"no --admin-token given; generated one for this run: {values['admin_token']}", file=sys.stderr)
     try:
-        settings = GatewaySettings(
-            model=args.model,
-            engines=engines,
-            model_version=args.model_version,
-            store=args.store,
-            sqlite_synchronous=args.sqlite_synchronous,
-            host=args.host,
-            port=args.port,
-            admin_token=token,
-            served_model_name=args.served_model_name,
-            max_attempts=args.max_attempts,
-            max_model_len=args.max_model_len,
-            hold_seconds=args.hold_seconds,
-        )
+        settings = GatewaySettings.model_validate(values)
     except ValidationError as exc:
-        print(f"inharness gateway: {exc}", file=sys.stderr)
+        errors = "; ".join(
+            f"{_gateway_flag(str(e['loc'][0]))} ({GATEWAY_ENV_PREFIX}{str(e['loc'][0]).upper()}): {e['msg']}"
+            if e["loc"]
+            else e["msg"]
+            for e in exc.errors()
+        )
+        print(f"inharness gateway: {errors}", file=sys.stderr)
         return 2
     serve(settings)
     return 0
@@ -109,8 +113,9 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--gateway-url",
-        default=_env("INHARNESS_OPERATOR_GATEWAY_URL", "http://{name}-gateway.{namespace}.svc:8000"),
-        help="where a run's gateway answers, {name} and {namespace} filled in (progress for the status)",
+        default=_env("INHARNESS_OPERATOR_GATEWAY_URL"),
+        help="where a run's gateway answers, {name} and {namespace} filled in (progress for the status; "
+        "default: http://{name}-gateway.{namespace}.svc:8000)",
     )
     render = op.add_parser(
         "render",
@@ -154,7 +159,7 @@ def _run_operator(args: argparse.Namespace) -> int:
                 metrics_port=args.metrics_port,
                 liveness_port=args.liveness_port,
                 resync_seconds=args.resync_seconds,
-                gateway_url=args.gateway_url,
+                **({"gateway_url": args.gateway_url} if args.gateway_url else {}),
             )
         except ValidationError as exc:
             print(f"inharness operator run: {exc.errors()[0]['msg']}", file=sys.stderr)
@@ -210,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = sub.add_parser("engine", help="run the built-in CPU inference engine (vLLM-compatible subset)")
     engine.add_argument("--model", required=True)
     engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--port", type=int, default=8100)
+    engine.add_argument("--port", type=int, default=ENGINE_PORT)
     engine.add_argument("--served-model-name", default=None)
     engine.add_argument(
         "--threads",
@@ -246,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     train.add_argument("--out", required=True, help="work directory: checkpoints, weights, metrics")
     train.add_argument("--gateway-url", default=_env("INHARNESS_GATEWAY_URL"), help="the run's gateway")
     train.add_argument("--engine-host", default=_env("INHARNESS_ENGINE_HOST", "0.0.0.0"))
-    train.add_argument("--engine-port", type=int, default=int(_env("INHARNESS_ENGINE_PORT", "8001") or 8001))
+    train.add_argument("--engine-port", type=int, default=int(_env("INHARNESS_ENGINE_PORT") or ENGINE_PORT))
     train.add_argument(
         "--engine-url",
         default=_env("INHARNESS_ENGINE_URL"),

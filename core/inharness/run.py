@@ -174,6 +174,15 @@ async def _train(
     specs = with_overrides(load_specs(file), overrides)
     tasks = load_tasks(specs)
     spec = specs.training_run.spec
+    model = specs.resolve(spec.model.path)
+    if not (model / "config.json").is_file():
+        print(
+            f"inharness run: {file}: spec.model.path: no model directory (with config.json) at {model}; "
+            "a local run loads the policy from there (`inharness model init-tiny DIR` makes a tiny one; "
+            "`make demo` makes the calc example's)",
+            file=sys.stderr,
+        )
+        return 2
     rd = RunDir(out, checkpoints=specs.resolve(spec.checkpoint.dir) if spec.checkpoint.dir else None)
     lock = RunLock(rd.root)
     try:
@@ -181,6 +190,9 @@ async def _train(
         lock.acquire(wait_seconds=15)
     except RunDirBusy as exc:
         print(f"inharness run: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"inharness run: cannot use {rd.root} as the output directory: {exc}", file=sys.stderr)
         return 2
     try:
         ckpt = rd.latest_checkpoint()

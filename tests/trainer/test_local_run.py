@@ -409,3 +409,13 @@ def test_an_unwritable_checkpoint_is_named_and_the_other_results_are_kept(
     assert steps_of(out) == [0, 1]
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
     assert (out / "reward.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_missing_model_directory_is_named_before_anything_starts(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "run.yaml", tmp_path / "no-model", steps=1)
+    result = run(spec, tmp_path / "out", timeout=60)
+    assert result.returncode == 2
+    assert (
+        f"spec.model.path: no model directory (with config.json) at {tmp_path / 'no-model'}" in result.stderr
+    )
+    assert "Traceback" not in result.stderr

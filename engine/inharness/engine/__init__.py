@@ -1,1 +1,4 @@
 """Inference engine: a tiny offline model, a token-in/token-out sampler and a vLLM-compatible server."""
+
+DEFAULT_PORT = 8001
+"""The engine's port: `inharness engine`'s default and the trainer pod's (the gateway's is 8000)."""

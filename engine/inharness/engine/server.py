@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from inharness.engine import DEFAULT_PORT
 from inharness.engine.sampling import Completion, SamplingParams, Scheduler, validate
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -511,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve a causal LM with a vLLM-compatible completions API.")
     parser.add_argument("model_dir")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--prefix-cache-tokens", type=int, default=4096, help="prefix cache size (0: off)")

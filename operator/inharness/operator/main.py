@@ -26,7 +26,7 @@ import kopf
 from prometheus_client import start_http_server
 from pydantic import BaseModel, Field, model_validator
 
-from inharness.operator import pools, trainingruns
+from inharness.operator import pools, render, trainingruns
 from inharness.operator.api import GROUP
 from inharness.operator.events import EventRecorder
 from inharness.operator.kube import KubeClient
@@ -37,7 +37,6 @@ log = logging.getLogger("inharness.operator")
 
 PREFIX = GROUP
 FINALIZER = f"{GROUP}/finalizer"
-DEFAULT_GATEWAY_URL = "http://{name}-gateway.{namespace}.svc:8000"
 
 
 class OperatorConfig(BaseModel):
@@ -50,7 +49,7 @@ class OperatorConfig(BaseModel):
     bind: str = Field(default="0.0.0.0", description="Address the metrics and liveness servers bind.")
     resync_seconds: float = Field(default=30.0, gt=0, le=3600)
     gateway_url: str = Field(
-        default=DEFAULT_GATEWAY_URL,
+        default=render.GATEWAY_URL_TEMPLATE,
         description="URL of a run's gateway; {name} and {namespace} are the TrainingRun's.",
     )
 

@@ -39,13 +39,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from inharness.engine import DEFAULT_PORT as ENGINE_DEFAULT_PORT
+from inharness.gateway.settings import DEFAULT_PORT as GATEWAY_DEFAULT_PORT
 from inharness.operator.api import API_VERSION
 from inharness.operator.spec import HarnessSpec, RolloutPool, TrainingRun
 
 Obj = dict[str, Any]
 
-GATEWAY_PORT = 8000
-ENGINE_PORT = 8001
+GATEWAY_PORT = GATEWAY_DEFAULT_PORT
+ENGINE_PORT = ENGINE_DEFAULT_PORT
 RAY_PORTS = (("ray-gcs", 6379), ("ray-dashboard", 8265), ("ray-client", 10001))
 ADMIN_TOKEN_KEY = "admin-token"
 CONFIG_KEY = "run.yaml"
@@ -113,6 +115,10 @@ def engine_url(run: str) -> str:
 def gateway_url(run: str, namespace: str | None = None) -> str:
     host = gateway_name(run) if namespace is None else f"{gateway_name(run)}.{namespace}.svc"
     return f"http://{host}:{GATEWAY_PORT}"
+
+
+GATEWAY_URL_TEMPLATE = gateway_url("{name}", "{namespace}")
+"""Where a run's gateway answers the operator, with the run's name and namespace to fill in."""
 
 
 def selector_labels(run: str, component: str) -> dict[str, str]:

@@ -86,7 +86,7 @@ class Context:
     settings: render.RenderSettings
     events: EventRecorder
     metrics: OperatorMetrics
-    gateway_url: str = "http://{name}-gateway.{namespace}.svc:8000"
+    gateway_url: str = render.GATEWAY_URL_TEMPLATE
     resync_seconds: float = 30.0
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     phases: dict[tuple[str, str], str] = field(default_factory=dict)

@@ -1,1 +1,2 @@
-"""Trainer: supervised warm-up (and later RL updates) for models served by the engine."""
+"""Trainer: recorded calls into samples, the RL algorithms, the training engine and loop, and the
+supervised warm-up, for models served by the engine."""

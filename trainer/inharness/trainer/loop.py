@@ -42,7 +42,7 @@ _OWN_KEYS = {"step", "version", "samples", "tokens", "rollouts", "calls"}
 
 
 class Policy(Protocol):
-    """The training engine as the loop sees it (torch on CPU today, verl on GPUs later)."""
+    """The training engine as the loop sees it (`torch_engine.TorchTrainingEngine` on the CPU)."""
 
     def update(self, samples: list[Sample], config: Any) -> dict[str, float]: ...
     def save_pretrained(self, out_dir: Path) -> Path: ...
