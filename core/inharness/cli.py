@@ -42,11 +42,20 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:
         if name == "engines":
             options |= {
                 "action": "append",
+                "metavar": "URL",
                 "help": "engine base URL (repeatable): vLLM's server or `inharness engine`",
             }
         elif get_origin(field.annotation) is Literal:
             options["choices"] = get_args(field.annotation)
+        else:
+            options["type"] = _scalar(field.annotation)
         p.add_argument(_gateway_flag(name), **options)  # type: ignore[arg-type]
+
+
+def _scalar(annotation: object) -> type:
+    """The flag's type for a setting typed `int`, `float`, `str` or `X | None`."""
+    kinds = [a for a in (get_args(annotation) or (annotation,)) if a is not type(None)]
+    return kinds[0] if len(kinds) == 1 and kinds[0] in (int, float, str) else str
 
 
 def _gateway_values(args: argparse.Namespace) -> dict[str, object]:

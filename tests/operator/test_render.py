@@ -171,7 +171,7 @@ def test_gateway_runs_flags_the_gateway_accepts_with_the_token_from_the_secret(s
     _gateway_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(c["args"])  # the real `inharness gateway` parser
     assert args.model == "/workspace/model"
-    assert args.engine == ["http://calc-trainer-0.calc-trainer:8001"]
+    assert args.engines == ["http://calc-trainer-0.calc-trainer:8001"]
     assert args.store == f"sqlite:///{render.STORE_DIR}/gateway.db"
     assert (args.host, args.port) == ("0.0.0.0", 8000)
     assert args.served_model_name == "calc-policy"
