@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Literal, get_args, get_origin
 
 from inharness.engine import DEFAULT_PORT as ENGINE_PORT
+from inharness.run import DEFAULT_MAX_CONSECUTIVE_FAILURES
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -124,7 +125,7 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
         "--gateway-url",
         default=_env("INHARNESS_OPERATOR_GATEWAY_URL"),
         help="where a run's gateway answers, {name} and {namespace} filled in (progress for the status; "
-        "default: http://{name}-gateway.{namespace}.svc:8000)",
+        "default: the run's gateway Service)",
     )
     render = op.add_parser(
         "render",
@@ -245,9 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument(
         "--max-consecutive-failures",
         type=int,
-        default=None,
+        default=DEFAULT_MAX_CONSECUTIVE_FAILURES,
         metavar="N",
-        help="stop once N attempts in a row failed the same way before any model call (default 10; 0: never)",
+        help="stop once N attempts in a row failed the same way before any model call "
+        f"(default {DEFAULT_MAX_CONSECUTIVE_FAILURES}; 0: never)",
     )
 
     train = sub.add_parser(
@@ -315,14 +317,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         from inharness.run import run_file
 
-        limit = args.max_consecutive_failures
-        if limit is not None and limit < 0:
+        if args.max_consecutive_failures < 0:
             parser.error("--max-consecutive-failures must be 0 or more")
         return run_file(
             Path(args.file),
             Path(args.out) if args.out else None,
             resume=args.resume,
-            **({} if limit is None else {"max_consecutive_failures": limit}),
+            max_consecutive_failures=args.max_consecutive_failures,
         )
     parser.error(f"unknown command {args.command}")
     return 2

@@ -1,4 +1,4 @@
-"""Child server processes (engine, gateway) on this machine: spawn, wait for health, stop, kill, restart.
+"""Child server processes (engine, gateway) on this machine: spawn, wait for health, stop, kill.
 
 Each child gets its own process group, so stopping it also stops anything it started; waits are
 bounded and a child that dies while starting is reported with its log.
@@ -71,7 +71,7 @@ def free_port() -> int:
 class ServerProcess:
     """One child server: `spawn` it (from the thread that outlives it, see `die_with_parent`), then
     `wait_healthy` (anywhere, e.g. `asyncio.to_thread`); `start` does both. `alive` and `returncode`
-    tell a supervisor it died; `restart` brings it back with the same argv on the same port.
+    tell a supervisor it died (which then starts a new one on the same port).
 
     `pass_fds` stay open in the child, e.g. a `RunLock`'s fd: the run directory then stays locked until
     this child is gone too, not just the process that started it.

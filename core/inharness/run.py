@@ -165,14 +165,11 @@ RECONNECT_SECONDS = 120.0
 
 
 async def _train(
-    file: Path, out: Path, *, resume: bool, overrides: dict[str, Any], max_consecutive_failures: int
+    file: Path, out: Path, *, specs: Any, tasks: list[Any], resume: bool, max_consecutive_failures: int
 ) -> int:
-    from inharness.operator.specfile import load_specs, load_tasks
     from inharness.runlock import RunDirBusy, RunLock
     from inharness.trainer.loop import RunDir
 
-    specs = with_overrides(load_specs(file), overrides)
-    tasks = load_tasks(specs)
     spec = specs.training_run.spec
     model = specs.resolve(spec.model.path)
     if not (model / "config.json").is_file():
@@ -420,10 +417,11 @@ def run_file(
     """`inharness run`: every path (the file, `out`, and through them the spec's relative paths)
     is made absolute here, against the directory the command was started in, before any child
     process sees one."""
-    from inharness.operator.specfile import SpecError, load_specs
+    from inharness.operator.specfile import SpecError, load_specs, load_tasks
 
     try:
         specs = with_overrides(load_specs(file), overrides or {})
+        tasks = load_tasks(specs)
     except (SpecError, ValueError) as exc:
         print(f"inharness run: {exc}", file=sys.stderr)
         return 2
@@ -436,8 +434,9 @@ def run_file(
         _train(
             Path(os.path.abspath(file)),
             out,
+            specs=specs,
+            tasks=tasks,
             resume=resume,
-            overrides=overrides or {},
             max_consecutive_failures=max_consecutive_failures,
         )
     )
