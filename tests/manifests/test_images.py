@@ -153,7 +153,7 @@ def test_every_copied_source_exists_and_is_in_the_build_context(name: str) -> No
 def test_build_context_leaves_out_the_local_model_and_the_venv() -> None:
     assert not dockerignore_keeps("examples/calc/model")
     assert not dockerignore_keeps(".venv")
-    assert not dockerignore_keeps("core/inharness/__pycache__")
+    assert not dockerignore_keeps("app/inharness/__pycache__")
     assert dockerignore_keeps("examples/calc/harness.py")
 
 
