@@ -513,4 +513,4 @@ def test_engine_cli_refuses_fewer_than_one_thread(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit) as exited:
         main(["engine", "--model", "unused", "--threads", "0"])
     assert exited.value.code == 2
-    assert "--threads must be at least 1" in capsys.readouterr().err
+    assert "--threads: must be at least 1" in capsys.readouterr().err

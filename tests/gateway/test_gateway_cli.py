@@ -10,9 +10,7 @@ from inharness.gateway.settings import GatewaySettings
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli._gateway_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["gateway", *argv])
+    return cli.parser().parse_args(["gateway", *argv])
 
 
 def test_every_setting_is_a_flag() -> None:
@@ -26,12 +24,12 @@ def test_flags_win_over_env_vars_and_the_rest_keep_their_defaults(monkeypatch: p
     monkeypatch.setenv("INHARNESS_GATEWAY_ENGINE_RETRIES", "7")
     monkeypatch.setenv("INHARNESS_GATEWAY_ENGINES", "http://a:1,http://b:2")
     args = parse("--model", "m", "--port", "9200", "--admin-token", "t" * 8, "--sqlite-synchronous", "full")
-    settings = GatewaySettings.model_validate(cli._gateway_values(args))
+    settings = GatewaySettings.model_validate(cli.gateway_values(args))
     assert (settings.port, settings.engine_retries, settings.sqlite_synchronous) == (9200, 7, "full")
     assert settings.engines == ["http://a:1", "http://b:2"]
     assert settings.hold_seconds == GatewaySettings.model_fields["hold_seconds"].default
 
-    repeated = cli._gateway_values(parse("--engine", "http://c:3", "--engine", "http://d:4"))
+    repeated = cli.gateway_values(parse("--engine", "http://c:3", "--engine", "http://d:4"))
     assert repeated["engines"] == ["http://c:3", "http://d:4"], "a flag wins over the env var"
 
 

@@ -2,7 +2,6 @@
 restricted pod security, GPUs, suspend, determinism; every object checked against Kubernetes' own
 schemas (kubernetes-validate) at the oldest and newest versions the chart claims."""
 
-import argparse
 import base64
 import copy
 import re
@@ -15,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from inharness.cli import _gateway_parser
+from inharness import cli
 from inharness.operator import render
 from inharness.operator.render import RenderSettings, render_children
 from inharness.operator.spec import TrainingRun
@@ -167,9 +166,7 @@ def test_restricted_pod_security_on_every_pod_and_container(specs: Specs) -> Non
 def test_gateway_runs_flags_the_gateway_accepts_with_the_token_from_the_secret(specs: Specs) -> None:
     c = container(children(specs), "Deployment/calc-gateway")
     assert c["command"] == ["inharness"] and c["args"][0] == "gateway"
-    parser = argparse.ArgumentParser()
-    _gateway_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(c["args"])  # the real `inharness gateway` parser
+    args = cli.parser().parse_args(c["args"])  # the real `inharness gateway` parser
     assert args.model == "/workspace/model"
     assert args.engines == ["http://calc-trainer-0.calc-trainer:8001"]
     assert args.store == f"sqlite:///{render.STORE_DIR}/gateway.db"
