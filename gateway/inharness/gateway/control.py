@@ -240,7 +240,7 @@ async def get_progress(request: Request) -> Response:
     board, store = _board(request), _store(request)
     last = board.last
     active = next((v.version for v in await store.list_versions() if v.active), None)
-    counts = {s: await store.count_rollouts(s) for s in ("queued", "running", "succeeded", "failed")}
+    counts = await store.rollout_counts()
     return _json(
         schema.ProgressOut(
             reported=last is not None,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from sqlalchemy import Engine, bindparam, create_engine, event, func, insert, select, update
 from sqlalchemy.engine import make_url
@@ -426,6 +426,13 @@ class Store:
     async def count_rollouts(self, status: str) -> int:
         async with self._engine.connect() as conn:
             return int(await conn.scalar(select(func.count()).where(rollouts.c.status == status)) or 0)
+
+    async def rollout_counts(self) -> dict[str, int]:
+        """Rollouts by status, every status present (0 where none), in one grouped query."""
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(select(rollouts.c.status, func.count()).group_by(rollouts.c.status))
+            found = {status: int(n) for status, n in rows}
+        return {status: found.get(status, 0) for status in get_args(schema.RolloutStatus)}
 
     # -- calls -----------------------------------------------------------------------------------
 
