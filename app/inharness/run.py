@@ -29,7 +29,8 @@ from inharness.procs import ServerProcess, free_port
 if TYPE_CHECKING:
     from inharness.operator.rollouts import ClaimingController
     from inharness.runlock import RunLock
-    from inharness.trainer.loop import LoopState, NoTrainableSamples, RunDir
+    from inharness.supervisor import Supervisor
+    from inharness.trainer.loop import LoopState, NoTrainableSamples, RunDir, TrainingLoop
 
 
 class _Progress:
@@ -89,71 +90,6 @@ def with_overrides(specs: Any, overrides: dict[str, Any]) -> Any:
             node = node.setdefault(key, {})
         node[leaf] = value
     return dataclasses.replace(specs, training_run=TrainingRun.model_validate(doc))
-
-
-def load_policy(specs: Any, rd: Any, *, resume: bool) -> tuple[Any, Any, Path]:
-    """The policy (torch on CPU), the loop state and the weights to serve first: from the spec's
-    model, or from the run directory's last checkpoint when resuming."""
-    import torch
-
-    from inharness.trainer.loop import LoopState
-    from inharness.trainer.torch_engine import TorchTrainingEngine
-
-    spec, algo = specs.training_run.spec, specs.training_run.spec.algorithm
-    model_path = specs.resolve(spec.model.path)
-    torch.manual_seed(spec.seed)
-    policy = TorchTrainingEngine(
-        model_path,
-        learning_rate=algo.learning_rate,
-        dtype=spec.model.dtype,
-        seed=spec.seed,
-        kl_reference=algo.kl_coef > 0,
-    )
-    ckpt = rd.latest_checkpoint()
-    if not resume or ckpt is None:
-        return policy, LoopState(), model_path
-    policy.load_checkpoint(ckpt / "policy")
-    state = LoopState.from_json(json.loads((ckpt / "state.json").read_text()))
-    serve_path = policy.save_pretrained(rd.weights / f"v{state.version}")
-    print(f"resuming {specs.training_run.metadata.name} at step {state.step} (model version {state.version})")
-    return policy, state, serve_path
-
-
-def loop_config(specs: Any, *, config_sha256: str | None = None) -> Any:
-    """The training loop's configuration, from the spec documents."""
-    from inharness.trainer.loop import LoopConfig
-    from inharness.trainer.torch_engine import UpdateConfig
-
-    run, pool = specs.training_run, specs.rollout_pool
-    spec, algo = run.spec, run.spec.algorithm
-    return LoopConfig(
-        run_name=run.metadata.name,
-        pool=pool.metadata.name,
-        steps=spec.steps,
-        batch_size=spec.batch_size,
-        group_size=algo.group_size,
-        max_attempts=pool.spec.max_attempts_per_rollout,
-        max_staleness=spec.scheduling.max_staleness,
-        checkpoint_interval=spec.checkpoint.interval,
-        checkpoint_keep=spec.checkpoint.keep,
-        seed=spec.seed,
-        max_tokens_per_sample=algo.max_tokens_per_sample,
-        update=UpdateConfig(
-            estimator=algo.advantage_estimator,
-            advantage_level=algo.advantage_level,
-            loss_normalization=algo.loss_normalization,
-            norm_by_std=algo.normalize_by_std,
-            clip_low=algo.clip_ratio_low,
-            clip_high=algo.clip_ratio_high,
-            kl_coef=algo.kl_coef,
-            temperature=spec.generation.temperature,
-            mini_batches=algo.ppo_mini_batches,
-            epochs=algo.ppo_epochs,
-            lr_warmup_steps=algo.lr_warmup_steps,
-            grad_clip=algo.grad_clip,
-        ),
-        config_sha256=config_sha256,
-    )
 
 
 DEFAULT_MAX_CONSECUTIVE_FAILURES = 10
@@ -217,133 +153,177 @@ async def _train_locked(
     resume: bool,
     max_consecutive_failures: int,
 ) -> int:
-    from inharness.gateway.client import GatewayClient, GatewayError
-    from inharness.operator.rollouts.local import LocalRolloutController
-    from inharness.supervisor import Supervisor
-    from inharness.trainer.loop import NoTrainableSamples, TrainingLoop
+    run = _LocalRun(file, specs, tasks, rd, resume=resume, max_consecutive_failures=max_consecutive_failures)
+    failure = await run.run(lock)
+    return run.finish(failure)
 
-    run, pool, harness = specs.training_run, specs.rollout_pool, specs.harness
-    spec = run.spec
-    model_path = specs.resolve(spec.model.path)
-    policy, state, serve_path = load_policy(specs, rd, resume=resume)
 
-    # Harness commands such as `python harness.py` resolve to this environment's interpreter first.
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    admin = secrets.token_hex(24)
-    eport, gport = free_port(), free_port()
-    keep_lock = (lock.fd,)  # the run directory stays locked until these children are gone too
+class _LocalRun:
+    """One `inharness run` in its locked output directory: the engine and gateway children under a
+    supervisor, the rollout controller and the training loop; `run` returns why it failed (None when
+    it did not) and `finish` reports and picks the exit code."""
 
-    def engine_on(weights: Path) -> ServerProcess:
-        # One intra-op thread: the engine shares the cores with the harnesses and the gateway, and
-        # torch's threads wait on each other when a core is taken (13x slower per request measured on
-        # 2 busy cores).
-        argv = ["engine", "--model", str(weights), "--port", str(eport), "--threads", "1"]
-        return ServerProcess.inharness(
-            argv, port=eport, log=rd.logs / "engine.log", health="/health", pass_fds=keep_lock
-        )
+    def __init__(
+        self,
+        file: Path,
+        specs: Any,
+        tasks: list[Any],
+        rd: "RunDir",
+        *,
+        resume: bool,
+        max_consecutive_failures: int,
+    ) -> None:
+        from inharness.trainer.config import load_policy
 
-    def gateway_at(version: int) -> ServerProcess:
-        argv = ["gateway", "--model", str(model_path), "--engine", f"http://127.0.0.1:{eport}"]
-        argv += ["--model-version", str(version), "--store", f"sqlite:///{rd.root / 'gateway.db'}"]
-        argv += ["--port", str(gport), "--admin-token", admin]
-        argv += ["--max-attempts", str(pool.spec.max_attempts_per_rollout)]
-        return ServerProcess.inharness(
-            argv, port=gport, log=rd.logs / "gateway.log", health="/healthz", pass_fds=keep_lock
-        )
+        self.file, self.specs, self.tasks, self.rd = file, specs, tasks, rd
+        self.resume, self.max_consecutive_failures = resume, max_consecutive_failures
+        self.policy, self.state, self.serve_path = load_policy(specs, rd, resume=resume)
+        self.progress: _Progress | None = None
+        self.training: TrainingLoop | None = None
 
-    def served_weights() -> Path:
-        current = rd.weights / f"v{state.version}"
-        return current if current.is_dir() else serve_path
+    def _children(self, lock: "RunLock") -> tuple[ServerProcess, ServerProcess, "Supervisor", str]:
+        """The engine and the gateway (not started yet), the supervisor that restarts them, and the
+        gateway's admin token."""
+        from inharness.supervisor import Supervisor
 
-    engine, gateway = engine_on(serve_path), gateway_at(state.version)
-    supervisor = Supervisor(_say)
-    supervisor.add("engine", engine, lambda: engine_on(served_weights()))
-    supervisor.add("gateway", gateway, lambda: gateway_at(state.version))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    progress: _Progress | None = None
-    training: TrainingLoop | None = None
-    failure: str | None = None
-    try:
-        for proc in (engine, gateway):
-            proc.spawn()  # from the event loop's thread, so that the child dies with this process
-            await asyncio.to_thread(proc.wait_healthy, 120.0)
-        async with GatewayClient(gateway.url, admin, connect_retry_seconds=RECONNECT_SECONDS) as gw:
-            await gw.register_version(state.version, [engine.url], activate=True)
-            if resume:
-                # Attempts that were running when the last process died: requeued now, uncharged.
-                released = await gw.release_running(pool.metadata.name, reason="its run stopped")
-                if released:
-                    print(f"requeued {released} attempts that were running when the run stopped")
-            controller = LocalRolloutController(
-                gw,
-                gateway.url,
-                pool.metadata.name,
-                pool.spec,
-                harness.spec,
-                specs.base_dir,
-                rd.attempts,
-                log=_say,  # e.g. why spec.local.preload is not used; lost leases
-                max_consecutive_failures=max_consecutive_failures,
-                outage=supervisor.outage_since,
+        rd, state, pool = self.rd, self.state, self.specs.rollout_pool
+        model_path = self.specs.resolve(self.specs.training_run.spec.model.path)
+        admin = secrets.token_hex(24)
+        eport, gport = free_port(), free_port()
+        keep_lock = (lock.fd,)  # the run directory stays locked until these children are gone too
+
+        def engine_on(weights: Path) -> ServerProcess:
+            # One intra-op thread: the engine shares the cores with the harnesses and the gateway, and
+            # torch's threads wait on each other when a core is taken (13x slower per request measured
+            # on 2 busy cores).
+            argv = ["engine", "--model", str(weights), "--port", str(eport), "--threads", "1"]
+            return ServerProcess.inharness(
+                argv, port=eport, log=rd.logs / "engine.log", health="/health", pass_fds=keep_lock
             )
-            progress = _Progress(spec.steps, state.step, controller)
-            training = TrainingLoop(
-                gateway=gw,
-                engine_urls=[engine.url],
-                policy=policy,
-                tasks=tasks,
-                config=loop_config(specs),
-                run_dir=rd,
-                state=state,
-                on_progress=progress,
-                engine_wait_seconds=RECONNECT_SECONDS,
+
+        def gateway_at(version: int) -> ServerProcess:
+            argv = ["gateway", "--model", str(model_path), "--engine", f"http://127.0.0.1:{eport}"]
+            argv += ["--model-version", str(version), "--store", f"sqlite:///{rd.root / 'gateway.db'}"]
+            argv += ["--port", str(gport), "--admin-token", admin]
+            argv += ["--max-attempts", str(pool.spec.max_attempts_per_rollout)]
+            return ServerProcess.inharness(
+                argv, port=gport, log=rd.logs / "gateway.log", health="/healthz", pass_fds=keep_lock
             )
-            await training.hold_adopted()
-            rollouts = asyncio.create_task(controller.run(stop), name="rollouts")
-            watching = asyncio.create_task(supervisor.watch(stop), name="supervisor")
-            halts = [asyncio.create_task(e.wait()) for e in (controller.halted, supervisor.halted)]
-            for halted in halts:
-                halted.add_done_callback(lambda _: stop.set())
-            try:
-                await training.run(stop)
-            except NoTrainableSamples as exc:
-                failure = _explain_empty_batch(exc, controller)
-            finally:
-                stop.set()
-                await rollouts
-                await watching
-                for halted in halts:
-                    halted.cancel()
-            failure = failure or supervisor.fatal or controller.fatal
-    except (GatewayError, httpx.HTTPError) as exc:
-        failure = f"the gateway failed: {exc!r} (log: {rd.logs / 'gateway.log'})"
-    except RuntimeError as exc:  # a child that would not start, an engine that refused weights
-        failure = str(exc)
-    except OSError as exc:  # what the run cannot go on without: weights to serve, the batch journal
-        failure = f"cannot write: {exc}"
-    finally:
-        if progress is not None:
-            progress.close()
+
+        def served_weights() -> Path:
+            current = rd.weights / f"v{state.version}"
+            return current if current.is_dir() else self.serve_path
+
+        engine, gateway = engine_on(self.serve_path), gateway_at(state.version)
+        supervisor = Supervisor(_say)
+        supervisor.add("engine", engine, lambda: engine_on(served_weights()))
+        supervisor.add("gateway", gateway, lambda: gateway_at(state.version))
+        return engine, gateway, supervisor, admin
+
+    async def run(self, lock: "RunLock") -> str | None:
+        """Start the children, train until the last step or a stop, and stop everything again."""
+        from inharness.gateway.client import GatewayClient, GatewayError
+
+        engine, gateway, supervisor, admin = self._children(lock)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        supervisor.stop_all()
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            for proc in (engine, gateway):
+                proc.spawn()  # from the event loop's thread, so that the child dies with this process
+                await asyncio.to_thread(proc.wait_healthy, 120.0)
+            async with GatewayClient(gateway.url, admin, connect_retry_seconds=RECONNECT_SECONDS) as gw:
+                await gw.register_version(self.state.version, [engine.url], activate=True)
+                return await self._train(gw, gateway.url, engine.url, supervisor, stop)
+        except (GatewayError, httpx.HTTPError) as exc:
+            return f"the gateway failed: {exc!r} (log: {self.rd.logs / 'gateway.log'})"
+        except RuntimeError as exc:  # a child that would not start, an engine that refused weights
+            return str(exc)
+        except OSError as exc:  # what the run cannot go on without: weights to serve, the batch journal
+            return f"cannot write: {exc}"
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            supervisor.stop_all()
 
-    unwritten = _write_results(run.metadata.name, rd, state) + (training.write_errors if training else [])
-    for line in unwritten:
-        print(f"inharness run: {line}", file=sys.stderr)
-    if failure is not None:
-        print(f"\ninharness run: stopped at step {state.step} of {spec.steps}: {failure}", file=sys.stderr)
-        return 1
-    if state.step < spec.steps:
-        print(
-            f"stopped at step {state.step} of {spec.steps}; "
-            f"continue with: inharness run {file} --out {rd.root} --resume"
+    async def _train(
+        self, gw: Any, gateway_url: str, engine_url: str, supervisor: "Supervisor", stop: asyncio.Event
+    ) -> str | None:
+        """The rollout controller and the training loop side by side, until either stops the run."""
+        from inharness.operator.rollouts.local import LocalRolloutController
+        from inharness.trainer.config import loop_config
+        from inharness.trainer.loop import NoTrainableSamples, TrainingLoop
+
+        pool, harness = self.specs.rollout_pool, self.specs.harness
+        if self.resume:
+            # Attempts that were running when the last process died: requeued now, uncharged.
+            released = await gw.release_running(pool.metadata.name, reason="its run stopped")
+            if released:
+                print(f"requeued {released} attempts that were running when the run stopped")
+        controller = LocalRolloutController(
+            gw,
+            gateway_url,
+            pool.metadata.name,
+            pool.spec,
+            harness.spec,
+            self.specs.base_dir,
+            self.rd.attempts,
+            log=_say,  # e.g. why spec.local.preload is not used; lost leases
+            max_consecutive_failures=self.max_consecutive_failures,
+            outage=supervisor.outage_since,
         )
-        return 130
-    return 1 if unwritten else 0
+        self.progress = _Progress(self.specs.training_run.spec.steps, self.state.step, controller)
+        self.training = training = TrainingLoop(
+            gateway=gw,
+            engine_urls=[engine_url],
+            policy=self.policy,
+            tasks=self.tasks,
+            config=loop_config(self.specs),
+            run_dir=self.rd,
+            state=self.state,
+            on_progress=self.progress,
+            engine_wait_seconds=RECONNECT_SECONDS,
+        )
+        await training.hold_adopted()
+        rollouts = asyncio.create_task(controller.run(stop), name="rollouts")
+        watching = asyncio.create_task(supervisor.watch(stop), name="supervisor")
+        halts = [asyncio.create_task(e.wait()) for e in (controller.halted, supervisor.halted)]
+        for halted in halts:
+            halted.add_done_callback(lambda _: stop.set())
+        failure = None
+        try:
+            await training.run(stop)
+        except NoTrainableSamples as exc:
+            failure = _explain_empty_batch(exc, controller)
+        finally:
+            stop.set()
+            await rollouts
+            await watching
+            for halted in halts:
+                halted.cancel()
+        return failure or supervisor.fatal or controller.fatal
+
+    def finish(self, failure: str | None) -> int:
+        """Write the results, say what could not be written and why the run stopped; the exit code."""
+        run, rd, state = self.specs.training_run, self.rd, self.state
+        steps = run.spec.steps
+        unwritten = _write_results(run.metadata.name, rd, state)
+        unwritten += self.training.write_errors if self.training else []
+        for line in unwritten:
+            print(f"inharness run: {line}", file=sys.stderr)
+        if failure is not None:
+            print(f"\ninharness run: stopped at step {state.step} of {steps}: {failure}", file=sys.stderr)
+            return 1
+        if state.step < steps:
+            print(
+                f"stopped at step {state.step} of {steps}; "
+                f"continue with: inharness run {self.file} --out {rd.root} --resume"
+            )
+            return 130
+        return 1 if unwritten else 0
 
 
 def _explain_empty_batch(exc: "NoTrainableSamples", controller: "ClaimingController") -> str:

@@ -6,21 +6,105 @@ input of one call shares one alignment (for samples from `inharness.trainer.samp
 token ``input_ids[i]``), and ``mask`` is 1 on generated tokens, 0 on prompt, tool and padding positions.
 A sample comes from one rollout; a rollout may give several samples (see the adapter's split reasons),
 which is why advantages and loss aggregation can be taken per rollout rather than per sample.
+
+Choices are made by name from registries, in verl's manner (``register_adv_est``): the
+TrainingRun's ``advantageEstimator``, ``advantageLevel`` and ``lossNormalization`` name an entry of
+`ADVANTAGE_ESTIMATORS`, `ADVANTAGE_LEVELS` and `LOSS_NORMALIZATIONS`, and `KL_ESTIMATORS` holds the KL
+estimates. A new algorithm is one function registered beside the others; the registries' names are
+the trainer's list of allowed values, checked against the spec's by tests/trainer/test_config.py.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
-AdvantageEstimator = Literal["grpo", "rloo"]
-AdvantageLevel = Literal["rollout", "sample"]
-LossAggregation = Literal["token", "sample", "rollout"]
-KLEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
-
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps ratios finite when policies drift far apart
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Registry(Generic[F]):
+    """The functions of one kind, by the name a spec chooses them with.
+
+    ``register(name)`` is a decorator (one function may take several names); ``get(name)`` returns the
+    function or raises a ValueError that names the known ones; ``names()`` lists them in registration
+    order."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._fns: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        def add(fn: F) -> F:
+            if name in self._fns:
+                raise ValueError(f"{self.kind} {name!r} is already registered ({self._fns[name].__name__})")
+            self._fns[name] = fn
+            return fn
+
+        return add
+
+    def get(self, name: str) -> F:
+        try:
+            return self._fns[name]
+        except KeyError:
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self._fns)}") from None
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._fns)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fns
+
+
+class AdvantageEstimatorFn(Protocol):
+    """rewards ``[N]`` float and group ``[N]`` long in ``0..K-1`` (dense) -> advantages ``[N]``. A unit
+    alone in its group gets 0 from the caller (`rollout_advantages`), whatever this returns for it."""
+
+    def __call__(self, rewards: Tensor, group: Tensor, *, norm_by_std: bool, eps: float) -> Tensor: ...
+
+
+class AdvantageLevelFn(Protocol):
+    """rollout rewards ``[R]``, rollout group ids ``[R]``, each sample's rollout ``[B]`` and the estimator's
+    name -> one advantage per sample ``[B]``."""
+
+    def __call__(
+        self,
+        rollout_rewards: Tensor,
+        rollout_group_index: Tensor,
+        sample_rollout_index: Tensor,
+        estimator: str = ...,
+        *,
+        norm_by_std: bool = ...,
+        eps: float = ...,
+    ) -> Tensor: ...
+
+
+class LossNormalizationFn(Protocol):
+    """mask ``[B, T]`` float32 and rollout ids ``[B]`` (or None) -> token weights ``[B, T]`` (see
+    `loss_weights`)."""
+
+    def __call__(self, mask: Tensor, rollout_index: Tensor | None) -> Tensor: ...
+
+
+class KLEstimatorFn(Protocol):
+    """logprobs and ref_logprobs ``[B, T]`` -> per-token KL estimate ``[B, T]`` (see `kl_penalty`)."""
+
+    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor, *, max_value: float | None) -> Tensor: ...
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimatorFn] = Registry("advantage estimator")
+ADVANTAGE_LEVELS: Registry[AdvantageLevelFn] = Registry("advantage level")
+LOSS_NORMALIZATIONS: Registry[LossNormalizationFn] = Registry("loss normalization")
+KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry("KL estimator")
+
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
+register_advantage_level = ADVANTAGE_LEVELS.register
+register_loss_normalization = LOSS_NORMALIZATIONS.register
+register_kl_estimator = KL_ESTIMATORS.register
 
 
 def _check_1d(name: str, t: Tensor, n: int | None = None) -> None:
@@ -35,34 +119,62 @@ def _dense(index: Tensor) -> tuple[Tensor, int]:
     return inverse, uniq.numel()
 
 
+def _group_sum(x: Tensor, group: Tensor) -> Tensor:
+    """``[N]``: each unit gets the sum of ``x`` ``[N]`` over its group (``group`` ``[N]``, dense ids)."""
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, group, x)[group]
+
+
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is nonzero; 0 when there are none."""
     m = mask.to(x.dtype)
     return (x * m).sum() / m.sum().clamp(min=1)
 
 
+# --- advantages --------------------------------------------------------------------------------------
+
+
+@register_advantage_estimator("grpo")
+def grpo_advantages(rewards: Tensor, group: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """``(r - mean_g) / (std_g + eps)`` with the unbiased (n - 1) std, as GRPO/verl/TRL;
+    ``norm_by_std=False`` gives ``r - mean_g`` (Dr. GRPO: no per-group difficulty reweighting).
+    rewards, group: ``[N]`` (dense group ids); returns ``[N]``."""
+    count = _group_sum(torch.ones_like(rewards), group)
+    dev = rewards - _group_sum(rewards, group) / count
+    if not norm_by_std:
+        return dev
+    std = (_group_sum(dev.square(), group) / (count - 1).clamp(min=1)).sqrt()
+    return dev / (std + eps)
+
+
+@register_advantage_estimator("rloo")
+def rloo_advantages(rewards: Tensor, group: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """``r_i - mean of the other rewards of the group`` (= ``n/(n-1) * (r_i - mean_g)``); takes no std, so
+    ``norm_by_std`` and ``eps`` are unused. rewards, group: ``[N]`` (dense group ids); returns ``[N]``."""
+    count = _group_sum(torch.ones_like(rewards), group)
+    return rewards - (_group_sum(rewards, group) - rewards) / (count - 1).clamp(min=1)
+
+
 @torch.no_grad()
 def rollout_advantages(
     rewards: Tensor,
     group_index: Tensor,
-    estimator: AdvantageEstimator = "grpo",
+    estimator: str = "grpo",
     *,
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> Tensor:
-    """One advantage per unit from outcome rewards, normalised within groups.
+    """One advantage per unit from outcome rewards, normalised within groups by the registered
+    ``estimator`` (`grpo_advantages`, `rloo_advantages`).
 
     rewards: ``[N]`` float, one per unit (a rollout; for sample level see `sample_advantages`).
     group_index: ``[N]`` long, units sharing a value form a group (same task); any integers.
     Returns ``[N]`` in the rewards' float dtype (float32 for integer rewards).
 
-    - ``"grpo"``: ``(r - mean_g) / (std_g + eps)`` with the unbiased (n - 1) std, as GRPO/verl/TRL;
-      ``norm_by_std=False`` gives ``r - mean_g`` (Dr. GRPO: no per-group difficulty reweighting).
-    - ``"rloo"``: ``r_i - mean of the other rewards of the group`` (= ``n/(n-1) * (r_i - mean_g)``).
-
     A group with a single unit has no baseline to compare against, so its advantage is 0 (it gives no
     learning signal rather than a raw-reward one).
     """
+    estimate = ADVANTAGE_ESTIMATORS.get(estimator)
     n_units = rewards.shape[0]
     _check_1d("rewards", rewards)
     _check_1d("group_index", group_index, n_units)
@@ -70,32 +182,36 @@ def rollout_advantages(
     r = rewards.to(dtype)
     if n_units == 0:
         return r
-    inverse, n_groups = _dense(group_index.to(r.device))
-
-    def per_group_sum(x: Tensor) -> Tensor:
-        return torch.zeros(n_groups, dtype=dtype, device=r.device).index_add_(0, inverse, x)[inverse]
-
-    count = per_group_sum(torch.ones_like(r))
-    total = per_group_sum(r)
-    others = (count - 1).clamp(min=1)
-    if estimator == "grpo":
-        dev = r - total / count
-        if norm_by_std:
-            std = (per_group_sum(dev.square()) / others).sqrt()
-            dev = dev / (std + eps)
-        adv = dev
-    elif estimator == "rloo":
-        adv = r - (total - r) / others
-    else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}")
-    return torch.where(count > 1, adv, torch.zeros_like(adv))
+    group, _ = _dense(group_index.to(r.device))
+    adv = estimate(r, group, norm_by_std=norm_by_std, eps=eps)
+    alone = _group_sum(torch.ones_like(r), group) == 1
+    return torch.where(alone, torch.zeros_like(adv), adv)
 
 
+@register_advantage_level("rollout")
+def rollout_level_advantages(
+    rollout_rewards: Tensor,
+    rollout_group_index: Tensor,
+    sample_rollout_index: Tensor,
+    estimator: str = "grpo",
+    *,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """One advantage per rollout (`rollout_advantages` over ``[R]``), taken by each of its samples:
+    ``[B]``. rollout_rewards, rollout_group_index: ``[R]``; sample_rollout_index: ``[B]`` in ``0..R-1``."""
+    per_rollout = rollout_advantages(
+        rollout_rewards, rollout_group_index, estimator, norm_by_std=norm_by_std, eps=eps
+    )
+    return per_rollout[sample_rollout_index]
+
+
+@register_advantage_level("sample")
 def sample_advantages(
     rollout_rewards: Tensor,
     rollout_group_index: Tensor,
     sample_rollout_index: Tensor,
-    estimator: AdvantageEstimator = "grpo",
+    estimator: str = "grpo",
     *,
     norm_by_std: bool = True,
     eps: float = 1e-6,
@@ -123,75 +239,75 @@ def token_advantages(
     sample_rollout_index: Tensor,
     mask: Tensor,
     *,
-    level: AdvantageLevel = "rollout",
-    estimator: AdvantageEstimator = "grpo",
+    level: str = "rollout",
+    estimator: str = "grpo",
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> Tensor:
     """Per-token advantages ``[B, T]`` for a padded batch: each sample's advantage on its generated
-    tokens, 0 elsewhere.
-
-    ``level="rollout"``: one advantage per rollout (`rollout_advantages` over ``[R]``), broadcast to all
-    of its samples. ``level="sample"``: `sample_advantages`. mask: ``[B, T]``.
+    tokens, 0 elsewhere. ``level`` names the registered per-sample function (`rollout_level_advantages`,
+    `sample_advantages`). mask: ``[B, T]``.
     """
+    per_level = ADVANTAGE_LEVELS.get(level)
     _check_1d("sample_rollout_index", sample_rollout_index, mask.shape[0])
-    if level == "rollout":
-        per_sample = rollout_advantages(
-            rollout_rewards, rollout_group_index, estimator, norm_by_std=norm_by_std, eps=eps
-        )[sample_rollout_index]
-    elif level == "sample":
-        per_sample = sample_advantages(
-            rollout_rewards,
-            rollout_group_index,
-            sample_rollout_index,
-            estimator,
-            norm_by_std=norm_by_std,
-            eps=eps,
-        )
-    else:
-        raise ValueError(f"unknown advantage level {level!r}")
+    per_sample = per_level(
+        rollout_rewards, rollout_group_index, sample_rollout_index, estimator, norm_by_std=norm_by_std, eps=eps
+    )
     return per_sample[:, None] * mask.to(per_sample.dtype)
 
 
-def loss_weights(
-    mask: Tensor, mode: LossAggregation = "token", rollout_index: Tensor | None = None
-) -> Tensor:
-    """Per-token weights ``[B, T]`` (float32, 0 off the mask, summing to 1 when any token is on it) such
-    that the aggregated loss is ``(loss_mat * weights).sum()``.
+# --- loss normalisation ------------------------------------------------------------------------------
 
-    - ``"token"``: every generated token of the batch weighs the same; long samples dominate.
-    - ``"sample"``: mean over samples (with at least one generated token) of each sample's token mean.
-    - ``"rollout"``: mean over rollouts of the mean over all generated tokens of that rollout's samples,
-      so each rollout weighs the same however many samples and tokens it was split into.
-      Needs ``rollout_index`` ``[B]`` (any integers; equal values = same rollout).
+
+@register_loss_normalization("token")
+def token_weights(mask: Tensor, rollout_index: Tensor | None = None) -> Tensor:
+    """Every generated token of the batch weighs the same; long samples dominate. mask ``[B, T]``
+    float32 -> ``[B, T]``; ``rollout_index`` is unused."""
+    return mask / mask.sum(dim=1).sum().clamp(min=1)
+
+
+@register_loss_normalization("sample")
+def sample_weights(mask: Tensor, rollout_index: Tensor | None = None) -> Tensor:
+    """Mean over samples (with at least one generated token) of each sample's token mean. mask ``[B, T]``
+    float32 -> ``[B, T]``; ``rollout_index`` is unused."""
+    per_row = mask.sum(dim=1)
+    active = (per_row > 0).sum().clamp(min=1)
+    return mask / per_row.clamp(min=1)[:, None] / active
+
+
+@register_loss_normalization("rollout")
+def rollout_weights(mask: Tensor, rollout_index: Tensor | None = None) -> Tensor:
+    """Mean over rollouts of the mean over all generated tokens of that rollout's samples, so each
+    rollout weighs the same however many samples and tokens it was split into. mask ``[B, T]`` float32,
+    rollout_index ``[B]`` (any integers; equal values = same rollout; required) -> ``[B, T]``."""
+    if rollout_index is None:
+        raise ValueError("rollout aggregation needs rollout_index")
+    _check_1d("rollout_index", rollout_index, mask.shape[0])
+    per_row = mask.sum(dim=1)
+    inverse, n_rollouts = _dense(rollout_index.to(mask.device))
+    per_rollout = torch.zeros(n_rollouts, dtype=mask.dtype, device=mask.device).index_add_(0, inverse, per_row)
+    active = (per_rollout > 0).sum().clamp(min=1)
+    return mask / per_rollout[inverse].clamp(min=1)[:, None] / active
+
+
+def loss_weights(mask: Tensor, mode: str = "token", rollout_index: Tensor | None = None) -> Tensor:
+    """Per-token weights ``[B, T]`` (float32, 0 off the mask, summing to 1 when any token is on it) such
+    that the aggregated loss is ``(loss_mat * weights).sum()``; ``mode`` names the registered
+    normalisation (`token_weights`, `sample_weights`, `rollout_weights`, which needs ``rollout_index``).
 
     Computing the weights once on a whole mini-batch and slicing their rows per micro-batch makes the
     sum of micro-batch losses equal the mini-batch aggregate, which per-micro-batch means would not.
     """
+    weigh = LOSS_NORMALIZATIONS.get(mode)
     if mask.dim() != 2:
         raise ValueError(f"mask must have shape [B, T], got {list(mask.shape)}")
-    m = mask.to(torch.float32)
-    per_row = m.sum(dim=1)
-    if mode == "token":
-        return m / per_row.sum().clamp(min=1)
-    if mode == "sample":
-        active = (per_row > 0).sum().clamp(min=1)
-        return m / per_row.clamp(min=1)[:, None] / active
-    if mode == "rollout":
-        if rollout_index is None:
-            raise ValueError("rollout aggregation needs rollout_index")
-        _check_1d("rollout_index", rollout_index, m.shape[0])
-        inverse, n_rollouts = _dense(rollout_index.to(m.device))
-        per_rollout = torch.zeros(n_rollouts, dtype=m.dtype, device=m.device).index_add_(0, inverse, per_row)
-        active = (per_rollout > 0).sum().clamp(min=1)
-        return m / per_rollout[inverse].clamp(min=1)[:, None] / active
-    raise ValueError(f"unknown loss aggregation {mode!r}")
+    return weigh(mask.to(torch.float32), rollout_index)
 
 
 def aggregate_loss(
     loss_mat: Tensor,
     mask: Tensor,
-    mode: LossAggregation = "token",
+    mode: str = "token",
     rollout_index: Tensor | None = None,
     *,
     weights: Tensor | None = None,
@@ -205,6 +321,9 @@ def aggregate_loss(
     return (loss_mat.float() * weights).sum()
 
 
+# --- policy loss -------------------------------------------------------------------------------------
+
+
 def clipped_policy_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
@@ -214,7 +333,7 @@ def clipped_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
-    agg: LossAggregation = "token",
+    agg: str = "token",
     rollout_index: Tensor | None = None,
     weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -265,30 +384,45 @@ def clipped_policy_loss(
     return loss, metrics
 
 
+# --- KL ----------------------------------------------------------------------------------------------
+
+
+@register_kl_estimator("k1")
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor, *, max_value: float | None = None) -> Tensor:
+    """``logp - ref_logp``; unbiased, high variance, can be negative per token (``max_value`` unused)."""
+    return logprobs - ref_logprobs
+
+
+@register_kl_estimator("k2")
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor, *, max_value: float | None = None) -> Tensor:
+    """``0.5 * (logp - ref_logp) ** 2``; biased, low variance (``max_value`` unused)."""
+    return 0.5 * (logprobs - ref_logprobs).square()
+
+
+@register_kl_estimator("k3")
+@register_kl_estimator("low_var_kl")
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, max_value: float | None = 10.0) -> Tensor:
+    """``exp(ref_logp - logp) - (ref_logp - logp) - 1``; unbiased, non-negative, low variance (verl's
+    ``low_var_kl``). Its log ratio is clamped to +-20 and, with ``max_value``, the value to
+    ``max_value``, so a single token where the policies disagree wildly cannot dominate the loss."""
+    log_r = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    kl = log_r.exp() - log_r - 1.0
+    return kl if max_value is None else kl.clamp(max=max_value)
+
+
 def kl_penalty(
-    logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3", *, max_value: float | None = 10.0
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3", *, max_value: float | None = 10.0
 ) -> Tensor:
     """Per-token estimate ``[B, T]`` of KL(current || reference) on tokens sampled from the current
-    (behaviour) policy (Schulman, "Approximating KL divergence"); aggregate it like the policy loss.
-
-    - ``"k1"``: ``logp - ref_logp``; unbiased, high variance, can be negative per token.
-    - ``"k2"``: ``0.5 * (logp - ref_logp) ** 2``; biased, low variance.
-    - ``"k3"`` / ``"low_var_kl"``: ``exp(ref_logp - logp) - (ref_logp - logp) - 1``; unbiased,
-      non-negative, low variance. Its log ratio is clamped to +-20 and, with ``max_value``, the value
-      to ``max_value``, so a single token where the policies disagree wildly cannot dominate the loss.
+    (behaviour) policy (Schulman, "Approximating KL divergence") by the registered ``estimator``
+    (`kl_k1`, `kl_k2`, `kl_k3`); aggregate it like the policy loss. logprobs, ref_logprobs: ``[B, T]``.
     """
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError("logprobs and ref_logprobs must have one shape")
-    diff = logprobs - ref_logprobs
-    if estimator == "k1":
-        return diff
-    if estimator == "k2":
-        return 0.5 * diff.square()
-    if estimator in ("k3", "low_var_kl"):
-        log_r = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        kl = log_r.exp() - log_r - 1.0
-        return kl if max_value is None else kl.clamp(max=max_value)
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+    return KL_ESTIMATORS.get(estimator)(logprobs, ref_logprobs, max_value=max_value)
+
+
+# --- entropy -----------------------------------------------------------------------------------------
 
 
 def token_entropy(logits: Tensor, mask: Tensor | None = None, *, chunk_size: int = 1024) -> Tensor:

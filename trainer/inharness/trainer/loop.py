@@ -32,6 +32,7 @@ import httpx
 
 from inharness.gateway.client import GatewayClient, GatewayError
 from inharness.gateway.schema import ExportedRollout, ProgressReport, ProgressState
+from inharness.trainer.config import LoopConfig, UpdateConfig
 from inharness.trainer.report import append_metrics, truncate_metrics
 from inharness.trainer.samples import Sample, build_batch
 
@@ -44,7 +45,7 @@ _OWN_KEYS = {"step", "version", "samples", "tokens", "rollouts", "calls"}
 class Policy(Protocol):
     """The training engine as the loop sees it (`torch_engine.TorchTrainingEngine` on the CPU)."""
 
-    def update(self, samples: list[Sample], config: Any) -> dict[str, float]: ...
+    def update(self, samples: list[Sample], config: UpdateConfig) -> dict[str, float]: ...
     def save_pretrained(self, out_dir: Path) -> Path: ...
     def save_checkpoint(self, out_dir: Path) -> None: ...
     def load_checkpoint(self, in_dir: Path) -> None: ...
@@ -62,23 +63,6 @@ class NoTrainableSamples(Exception):
             f"{calls} model calls recorded"
         )
         self.batch = batch
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    run_name: str
-    pool: str
-    steps: int
-    batch_size: int
-    group_size: int
-    max_attempts: int
-    max_staleness: int
-    checkpoint_interval: int
-    checkpoint_keep: int
-    seed: int
-    max_tokens_per_sample: int | None
-    update: Any  # the policy's update configuration, passed through
-    config_sha256: str | None = None  # of the run config, echoed in progress reports (cluster runs)
 
 
 @dataclass

@@ -50,9 +50,6 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from inharness.trainer.algorithms import (
-    AdvantageEstimator,
-    AdvantageLevel,
-    LossAggregation,
     aggregate_loss,
     clipped_policy_loss,
     kl_penalty,
@@ -60,6 +57,7 @@ from inharness.trainer.algorithms import (
     token_advantages,
     token_entropy,
 )
+from inharness.trainer.config import KL_ESTIMATOR, UpdateConfig
 from inharness.trainer.samples import Sample, index_rollouts
 
 Dtype = Literal["float32", "bfloat16"]
@@ -71,67 +69,6 @@ _PAD_ID = 0  # any valid id: right padding is never attended to by real tokens a
 # costs a second model call, a copy of the prefix keys/values into each row and a masked suffix attention:
 # on the tiny CPU model that overhead is worth 64-96 positions (b=2 breaks even near P=96, b=16 near P=8).
 _MIN_SHARED_TOKENS = 96
-
-
-@dataclass(frozen=True)
-class UpdateConfig:
-    """How one `TorchTrainingEngine.update` turns a batch of samples into optimizer steps.
-
-    ``estimator``, ``advantage_level``, ``norm_by_std``: outcome advantages (see
-    `algorithms.token_advantages`). ``loss_normalization``: how token losses are weighed against each other
-    over the whole batch (see `algorithms.loss_weights`). ``clip_low`` / ``clip_high``: PPO ratio clip
-    range. ``kl_coef``: weight of the k3 KL to the reference model (needs ``kl_reference=True``).
-    ``temperature``: the *sampling* temperature, so that training logprobs are the behaviour logprobs'
-    quantity (0, greedy, means temperature-1 logits, as in the inference engine).
-    ``max_tokens_per_microbatch``: padded tokens per forward pass (gradient accumulation bounds memory, not
-    the result). ``grad_clip``: max global gradient norm, None for no clipping.
-    ``mini_batches`` / ``epochs``: PPO's reuse of one batch: the rollouts are shuffled into
-    ``mini_batches`` parts, one optimizer step each, and the whole pass repeats ``epochs`` times. With
-    one of each the importance ratio is exactly 1 (fresh weights), so the clip never acts and the update
-    is REINFORCE with a baseline; more steps per batch are what the clip is for.
-    ``lr_warmup_steps``: the learning rate rises linearly over this many optimizer steps, from
-    ``lr / lr_warmup_steps`` at the first to the engine's ``learning_rate``; 0: the full rate at once.
-    AdamW's first steps move every weight by about the learning rate whatever its gradient's size (the
-    second-moment estimate has seen a few gradients only), which can break a small policy's format in one
-    update; the ramp lets that estimate fill before the steps get large.
-    """
-
-    estimator: AdvantageEstimator = "grpo"
-    advantage_level: AdvantageLevel = "rollout"
-    loss_normalization: LossAggregation = "token"
-    norm_by_std: bool = True
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    kl_coef: float = 0.0
-    temperature: float = 1.0
-    max_tokens_per_microbatch: int = 4096
-    grad_clip: float | None = 1.0
-    mini_batches: int = 1
-    epochs: int = 1
-    lr_warmup_steps: int = 0
-
-    def __post_init__(self) -> None:
-        for name, kind in (
-            ("estimator", AdvantageEstimator),
-            ("advantage_level", AdvantageLevel),
-            ("loss_normalization", LossAggregation),
-        ):
-            if getattr(self, name) not in get_args(kind):
-                raise ValueError(f"{name} must be one of {get_args(kind)}, got {getattr(self, name)!r}")
-        if self.clip_low < 0 or self.clip_high < 0:
-            raise ValueError("clip_low and clip_high must be non-negative")
-        if self.kl_coef < 0:
-            raise ValueError("kl_coef must be non-negative")
-        if self.temperature < 0:
-            raise ValueError("temperature must be non-negative")
-        if self.max_tokens_per_microbatch < 1:
-            raise ValueError("max_tokens_per_microbatch must be at least 1")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError("grad_clip must be positive or None")
-        if self.mini_batches < 1 or self.epochs < 1:
-            raise ValueError("mini_batches and epochs must be at least 1")
-        if self.lr_warmup_steps < 0:
-            raise ValueError("lr_warmup_steps must be non-negative")
 
 
 def pack_by_token_budget(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -395,7 +332,7 @@ class TorchTrainingEngine:
         return out
 
     def update(self, samples: Sequence[Sample], config: UpdateConfig) -> dict[str, float]:
-        """``config.epochs * config.mini_batches`` optimizer steps on the batch; returns metrics (below).
+        """``config.ppo_epochs * config.ppo_mini_batches`` optimizer steps on the batch; returns metrics (below).
 
         Advantages are computed once over the whole batch (groups stay whole whatever the split), and
         mini-batches hold whole rollouts, so rollout-level normalisation sees every rollout entire. Loss
@@ -433,8 +370,8 @@ class TorchTrainingEngine:
             sample_rollout,
             mask,
             level=config.advantage_level,
-            estimator=config.estimator,
-            norm_by_std=config.norm_by_std,
+            estimator=config.advantage_estimator,
+            norm_by_std=config.normalize_by_std,
         )
         active = [i for i in range(len(samples)) if mask[i].any()]
         per_sample_adv = advantages[active].sum(dim=1) / mask[active].sum(dim=1)
@@ -450,8 +387,8 @@ class TorchTrainingEngine:
         learn = config.kl_coef > 0 or bool(advantages.abs().max() > 0)
         passes = (
             [
-                _split_by_rollout(active, index.sample_rollout, config.mini_batches, shuffle)
-                for _ in range(config.epochs)
+                _split_by_rollout(active, index.sample_rollout, config.ppo_mini_batches, shuffle)
+                for _ in range(config.ppo_epochs)
             ]
             if learn
             else [[active]]
@@ -513,13 +450,13 @@ class TorchTrainingEngine:
             with torch.set_grad_enabled(apply):
                 lp, entropy = self._forward(self.model, ids, lengths, config.temperature, m.bool())
             pg, pg_metrics = clipped_policy_loss(
-                lp, beh, adv, m, clip_low=config.clip_low, clip_high=config.clip_high, weights=w
+                lp, beh, adv, m, clip_low=config.clip_ratio_low, clip_high=config.clip_ratio_high, weights=w
             )
             loss = pg
             if self.reference is not None:
                 with torch.no_grad():
                     ref_lp, _ = self._forward(self.reference, ids, lengths, config.temperature)
-                kl = aggregate_loss(kl_penalty(lp, ref_lp, "k3"), m, weights=w)
+                kl = aggregate_loss(kl_penalty(lp, ref_lp, KL_ESTIMATOR), m, weights=w)
                 if config.kl_coef > 0:
                     loss = loss + config.kl_coef * kl
                 sums["kl"] += float(kl.detach())

@@ -22,10 +22,7 @@ working directory, /workspace, as they resolve against the spec file's directory
 reaches the pods through the image or through a volume the user mounts with the allowlisted pod
 overrides, on both the gateway (it needs the tokenizer) and the trainer.
 
-Pod overrides: user `volumes` replace a default volume of the same name (e.g. `store` or `work` with
-a volume of one's own; then no claim is rendered for it), user `volumeMounts` replace a default
-mount at the same path, user `env` replaces a default variable of the same name; resources merge per
-key. The security context is not overridable: every pod runs at the "restricted" Pod Security level.
+Pod overrides and the restricted security context: render/pods.py.
 """
 
 import base64
@@ -42,6 +39,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from inharness.engine import DEFAULT_PORT as ENGINE_DEFAULT_PORT
 from inharness.gateway.settings import DEFAULT_PORT as GATEWAY_DEFAULT_PORT
 from inharness.operator.api import API_VERSION
+from inharness.operator.render.pods import (
+    RUN_AS,
+    WORKSPACE,
+    http_probe,
+    overrides_of,
+    pod_spec,
+    resolve_path,
+    user_volume_names,
+)
 from inharness.operator.spec import HarnessSpec, RolloutPool, TrainingRun
 
 Obj = dict[str, Any]
@@ -53,10 +59,8 @@ ADMIN_TOKEN_KEY = "admin-token"
 CONFIG_KEY = "run.yaml"
 CONFIG_DIR = "/etc/inharness"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
-WORKSPACE = "/workspace"
 STORE_DIR = "/var/lib/inharness/store"
 TRAINER_DIR = "/var/lib/inharness/trainer"
-RUN_AS = 1000
 
 CONFIG_HASH_ANNOTATION = "inharness.dev/config-sha256"
 TOKEN_HASH_ANNOTATION = "inharness.dev/admin-token-sha256"
@@ -202,24 +206,6 @@ def config_sha256(run: TrainingRun, pool: RolloutPool, harness: HarnessSpec, nam
 
 # --- pod building blocks -----------------------------------------------------------------------------
 
-_CONTAINER_SECURITY: Obj = {
-    "allowPrivilegeEscalation": False,
-    "capabilities": {"drop": ["ALL"]},
-    "runAsNonRoot": True,
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-_POD_SECURITY: Obj = {
-    "runAsNonRoot": True,
-    "runAsUser": RUN_AS,
-    "runAsGroup": RUN_AS,
-    "fsGroup": RUN_AS,
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
-
-
-def _resolve(path: str) -> str:
-    return path if path.startswith("/") else f"{WORKSPACE}/{path}"
-
 
 def _token_env(run: str) -> Obj:
     return {
@@ -228,88 +214,11 @@ def _token_env(run: str) -> Obj:
     }
 
 
-def _by_key(items: list[Obj], key: str) -> dict[str, int]:
-    return {item[key]: i for i, item in enumerate(items) if key in item}
-
-
-def _merge_named(defaults: list[Obj], extra: list[Obj], key: str) -> list[Obj]:
-    """Defaults with user items of the same `key` replaced in place and the other user items appended."""
-    out = [dict(d) for d in defaults]
-    index = _by_key(out, key)
-    for item in extra:
-        if item.get(key) in index:
-            out[index[item[key]]] = item
-        else:
-            index[item[key]] = len(out)
-            out.append(item)
-    return out
-
-
-def _quantities(values: Mapping[str, Any]) -> dict[str, str]:
-    """Resource quantities as strings, as the API server returns them (so no false drift)."""
-    return {k: str(v) for k, v in values.items()}
-
-
-def _overrides_of(pod: BaseModel | None) -> Obj:
-    return pod.model_dump(mode="json", by_alias=True, exclude_none=True) if pod is not None else {}
-
-
-def _apply_overrides(pod_spec: Obj, container: Obj, overrides: Obj) -> None:
-    """The allowlisted pod overrides, applied to the pod spec and its one container."""
-    resources = overrides.get("resources") or {}
-    for part in ("requests", "limits"):
-        if resources.get(part):
-            merged = {**container.get("resources", {}).get(part, {}), **_quantities(resources[part])}
-            container.setdefault("resources", {})[part] = merged
-    if overrides.get("env"):
-        container["env"] = _merge_named(container.get("env", []), overrides["env"], "name")
-    if overrides.get("volumeMounts"):
-        container["volumeMounts"] = _merge_named(
-            container.get("volumeMounts", []), overrides["volumeMounts"], "mountPath"
-        )
-    if overrides.get("volumes"):
-        pod_spec["volumes"] = _merge_named(pod_spec.get("volumes", []), overrides["volumes"], "name")
-    if overrides.get("tolerations"):
-        pod_spec["tolerations"] = [*pod_spec.get("tolerations", []), *overrides["tolerations"]]
-    if overrides.get("nodeSelector"):
-        pod_spec["nodeSelector"] = {**pod_spec.get("nodeSelector", {}), **overrides["nodeSelector"]}
-    for key in ("affinity", "serviceAccountName", "priorityClassName", "imagePullSecrets"):
-        if overrides.get(key):
-            pod_spec[key] = overrides[key]
-
-
-def _user_volume_names(overrides: Obj) -> set[str]:
-    return {v["name"] for v in overrides.get("volumes") or [] if "name" in v}
-
-
-def _pod_spec(container: Obj, volumes: list[Obj], overrides: Obj, **extra: Any) -> Obj:
-    spec: Obj = {
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": dict(_POD_SECURITY),
-        "containers": [container],
-        "volumes": volumes,
-        **extra,
-    }
-    _apply_overrides(spec, container, overrides)
-    container["securityContext"] = dict(_CONTAINER_SECURITY)
-    return spec
-
-
 def _claim(size: str, settings: RenderSettings) -> Obj:
     spec: Obj = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
     if settings.storage_class is not None:
         spec["storageClassName"] = settings.storage_class
     return spec
-
-
-def _http_probe(path: str, port: str, period: int, failures: int, timeout: int = 1) -> Obj:
-    return {
-        "httpGet": {"path": path, "port": port},
-        "periodSeconds": period,
-        "failureThreshold": failures,
-        "timeoutSeconds": timeout,
-    }
 
 
 # --- the children ------------------------------------------------------------------------------------
@@ -355,8 +264,8 @@ def render_children(
     }
     out: list[Obj] = [secret, configmap]
 
-    gw_overrides = _overrides_of(run.spec.gateway.pod)
-    if "store" not in _user_volume_names(gw_overrides):
+    gw_overrides = overrides_of(run.spec.gateway.pod)
+    if "store" not in user_volume_names(gw_overrides):
         out.append(
             {
                 "apiVersion": "v1",
@@ -415,7 +324,7 @@ def _gateway_deployment(
         "args": [
             "gateway",
             "--model",
-            _resolve(run.spec.model.path),
+            resolve_path(run.spec.model.path),
             "--engine",
             engine_url(name),
             "--store",
@@ -437,9 +346,9 @@ def _gateway_deployment(
             {"name": "store", "mountPath": STORE_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
-        "startupProbe": _http_probe("/healthz", "http", period=5, failures=60),
-        "readinessProbe": _http_probe("/healthz", "http", period=10, failures=3),
-        "livenessProbe": _http_probe("/healthz", "http", period=20, failures=3, timeout=5),
+        "startupProbe": http_probe("/healthz", "http", period=5, failures=60),
+        "readinessProbe": http_probe("/healthz", "http", period=10, failures=3),
+        "livenessProbe": http_probe("/healthz", "http", period=20, failures=3, timeout=5),
     }
     volumes = [
         {"name": "store", "persistentVolumeClaim": {"claimName": store_claim_name(name)}},
@@ -458,7 +367,7 @@ def _gateway_deployment(
             "selector": {"matchLabels": selector_labels(name, "gateway")},
             "template": {
                 "metadata": {"labels": pod_labels, "annotations": {TOKEN_HASH_ANNOTATION: token_hash}},
-                "spec": _pod_spec(container, volumes, overrides),
+                "spec": pod_spec(container, volumes, overrides),
             },
         },
     }
@@ -487,7 +396,7 @@ def _trainer_statefulset(
 ) -> Obj:
     name = run.metadata.name
     trainer = run.spec.trainer
-    overrides = _overrides_of(trainer.pod)
+    overrides = overrides_of(trainer.pod)
     container: Obj = {
         "name": "trainer",
         "image": trainer.image or settings.trainer_image,
@@ -519,7 +428,7 @@ def _trainer_statefulset(
         ],
         # Readiness only: a hung update is not something an HTTP probe can see, and a liveness
         # restart would throw away the step in progress; a stuck run shows in the status instead.
-        "readinessProbe": _http_probe("/health", "engine", period=10, failures=3),
+        "readinessProbe": http_probe("/health", "engine", period=10, failures=3),
     }
     if trainer.gpus > 0:
         container["resources"] = {"limits": {GPU_RESOURCE: str(trainer.gpus)}}
@@ -531,7 +440,7 @@ def _trainer_statefulset(
     extra: Obj = {}
     if trainer.gpus > 0:
         extra["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-    pod_spec = _pod_spec(container, volumes, overrides, **extra)
+    pod_spec = pod_spec(container, volumes, overrides, **extra)
     spec: Obj = {
         "replicas": replicas,
         "serviceName": trainer_name(name),
@@ -545,7 +454,7 @@ def _trainer_statefulset(
             "spec": pod_spec,
         },
     }
-    if "work" not in _user_volume_names(overrides):
+    if "work" not in user_volume_names(overrides):
         spec["volumeClaimTemplates"] = [
             {
                 "metadata": {"name": "work", "labels": labels(name, "trainer")},

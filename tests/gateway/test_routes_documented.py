@@ -1,0 +1,39 @@
+"""docs/gateway.md's route tables list exactly the routes the gateway serves: a route added without
+its row, or a row left behind by a removed route, fails here."""
+
+import re
+from pathlib import Path
+
+from inharness.gateway.app import create_app
+from inharness.gateway.settings import GatewaySettings
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
+KEY_PREFIX = "/t/{token}"
+
+
+def served_paths() -> dict[str, set[str]]:
+    """Path -> methods, from the gateway's own OpenAPI document (every route is in it)."""
+    paths = create_app(GatewaySettings(model="unused", admin_token="t" * 8)).openapi()["paths"]
+    return {path: {m.upper() for m in ops} for path, ops in paths.items()}
+
+
+def served() -> set[str]:
+    return {
+        f"{m} {path}" for path, ms in served_paths().items() if not path.startswith(KEY_PREFIX) for m in ms
+    }
+
+
+def documented() -> set[str]:
+    rows = [line for line in DOC.read_text().splitlines() if line.startswith("| `")]
+    first_cells = [row.split(" | ")[0] for row in rows]
+    return {m for cell in first_cells for m in re.findall(r"`((?:GET|POST|PUT|PATCH|DELETE) /[^` ?]*)", cell)}
+
+
+def test_every_served_route_has_a_row_and_every_row_a_route() -> None:
+    assert served() == documented()
+
+
+def test_each_harness_route_is_also_served_under_the_key_prefix() -> None:
+    paths = set(served_paths())
+    harness = {p for p in paths if p.startswith("/v1/")}
+    assert harness and {KEY_PREFIX + p for p in harness} <= paths
