@@ -109,8 +109,6 @@ def _show(tok: Any, ids: list[int], limit: int = 160) -> str:
 
 
 def main() -> int:
-    from transformers import AutoTokenizer
-
     from inharness.engine.tiny import init_tiny
     from inharness.trainer.sft import sft
 
@@ -123,6 +121,24 @@ def main() -> int:
     stats = sft(base, [CALC_CONVERSATION], out_dir=model, steps=WARMUP_STEPS)
     print(f"   loss {stats['loss_first']:.3f} -> {stats['loss_last']:.3f} in {time.time() - t0:.1f}s")
 
+    engine, gateway = _servers(work, model)
+    print("2. engine and gateway on 127.0.0.1")
+    engine.start()
+    gateway.start()
+    print(f"   engine  {engine.url}\n   gateway {gateway.url}")
+    try:
+        calls, export, reward = _one_attempt(gateway.url)
+        _show_calls(model, calls, reward)
+        print(f"5. export: {len(export)} finished rollout(s); first has {len(export[0]['calls'])} calls")
+        print(f"done in {time.time() - t0:.1f}s; logs in {work}/")
+    finally:
+        gateway.stop()
+        engine.stop()
+    return 0
+
+
+def _servers(work: Path, model: Path) -> tuple[ServerProcess, ServerProcess]:
+    """The engine serving ``model`` and a gateway in front of it with a fresh store (not started)."""
     eport, gport = free_port(), free_port()
     engine = ServerProcess.inharness(
         ["engine", "--model", str(model), "--port", str(eport)],
@@ -132,72 +148,54 @@ def main() -> int:
     )
     db = work / "gateway.db"
     db.unlink(missing_ok=True)
-    gateway = ServerProcess.inharness(
-        [
-            "gateway",
-            "--model",
-            str(model),
-            "--engine",
-            engine.url,
-            "--store",
-            f"sqlite:///{db}",
-            "--port",
-            str(gport),
-            "--admin-token",
-            ADMIN,
-        ],
-        port=gport,
-        log=work / "gateway.log",
-        health="/healthz",
-    )
-    print("2. engine and gateway on 127.0.0.1")
-    engine.start()
-    gateway.start()
-    print(f"   engine  {engine.url}\n   gateway {gateway.url}")
-    try:
-        with httpx.Client(
-            base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60
-        ) as c:
-            c.post(
-                "/api/v1/rollouts", json={"tasks": [{"question": QUESTION, "answer": "5"}]}
-            ).raise_for_status()
-            attempt = c.post("/api/v1/attempts/claim", json={"lease_seconds": 300}).json()["attempt"]
-            print(f"3. harness conversation on attempt {attempt['id']} (it sees only a base URL and a key)")
-            messages = harness(f"{gateway.url}/v1", attempt["token"])
-            for m in messages:
-                shown = m.get("content") or json.dumps([tc["function"] for tc in m.get("tool_calls", [])])
-                print(f"   {m['role']:>9}: {shown}")
-            answer = messages[-1].get("content") or ""
-            reward = 1.0 if "5" in answer else 0.0
-            c.post(
-                f"/api/v1/attempts/{attempt['id']}/complete", json={"status": "succeeded", "reward": reward}
-            )
-            calls = c.get(f"/api/v1/attempts/{attempt['id']}/calls").json()["calls"]
-            export = [json.loads(x) for x in c.get("/api/v1/export/rollouts").text.splitlines()]
-        tok = AutoTokenizer.from_pretrained(model)
-        print(f"4. recorded: {len(calls)} calls, reward {reward}")
-        prev: dict[str, Any] | None = None
-        for call in calls:
-            lp = call["response_logprobs"]
-            print(
-                f"   call {call['id']}: version {call['model_version']}, {len(call['prompt_ids'])} prompt + "
-                f"{len(call['response_ids'])} response tokens, mean logprob {sum(lp) / len(lp):.3f}, "
-                f"parent {call['parent_call_id']}, prefix_reused {call['prefix_reused']}, "
-                f"mismatch {call['prefix_mismatch']}"
-            )
-            print(f"      response: {_show(tok, call['response_ids'])}")
-            if prev is not None:
-                n = len(prev["prompt_ids"]) + len(prev["response_ids"])
-                exact = call["prompt_ids"][:n] == prev["prompt_ids"] + prev["response_ids"]
-                print(f"      prompt starts with call {prev['id']}'s prompt+response token-exactly: {exact}")
-                print(f"      new tokens after it: {_show(tok, call['prompt_ids'][n:])}")
-            prev = call
-        print(f"5. export: {len(export)} finished rollout(s); first has {len(export[0]['calls'])} calls")
-        print(f"done in {time.time() - t0:.1f}s; logs in {work}/")
-    finally:
-        gateway.stop()
-        engine.stop()
-    return 0
+    argv = ["gateway", "--model", str(model), "--engine", engine.url, "--store", f"sqlite:///{db}"]
+    argv += ["--port", str(gport), "--admin-token", ADMIN]
+    gateway = ServerProcess.inharness(argv, port=gport, log=work / "gateway.log", health="/healthz")
+    return engine, gateway
+
+
+def _one_attempt(gateway_url: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
+    """One rollout, claimed and run by the harness, completed with its reward: (its recorded calls,
+    the export of finished rollouts, the reward)."""
+    with httpx.Client(base_url=gateway_url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60) as c:
+        c.post("/api/v1/rollouts", json={"tasks": [{"question": QUESTION, "answer": "5"}]}).raise_for_status()
+        attempt = c.post("/api/v1/attempts/claim", json={"lease_seconds": 300}).json()["attempt"]
+        print(f"3. harness conversation on attempt {attempt['id']} (it sees only a base URL and a key)")
+        messages = harness(f"{gateway_url}/v1", attempt["token"])
+        for m in messages:
+            shown = m.get("content") or json.dumps([tc["function"] for tc in m.get("tool_calls", [])])
+            print(f"   {m['role']:>9}: {shown}")
+        answer = messages[-1].get("content") or ""
+        reward = 1.0 if "5" in answer else 0.0
+        c.post(f"/api/v1/attempts/{attempt['id']}/complete", json={"status": "succeeded", "reward": reward})
+        calls = c.get(f"/api/v1/attempts/{attempt['id']}/calls").json()["calls"]
+        export = [json.loads(x) for x in c.get("/api/v1/export/rollouts").text.splitlines()]
+    return calls, export, reward
+
+
+def _show_calls(model: Path, calls: list[dict[str, Any]], reward: float) -> None:
+    """What the gateway recorded of each call, and whether each prompt extends the call before it
+    token-exactly."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    print(f"4. recorded: {len(calls)} calls, reward {reward}")
+    prev: dict[str, Any] | None = None
+    for call in calls:
+        lp = call["response_logprobs"]
+        print(
+            f"   call {call['id']}: version {call['model_version']}, {len(call['prompt_ids'])} prompt + "
+            f"{len(call['response_ids'])} response tokens, mean logprob {sum(lp) / len(lp):.3f}, "
+            f"parent {call['parent_call_id']}, prefix_reused {call['prefix_reused']}, "
+            f"mismatch {call['prefix_mismatch']}"
+        )
+        print(f"      response: {_show(tok, call['response_ids'])}")
+        if prev is not None:
+            n = len(prev["prompt_ids"]) + len(prev["response_ids"])
+            exact = call["prompt_ids"][:n] == prev["prompt_ids"] + prev["response_ids"]
+            print(f"      prompt starts with call {prev['id']}'s prompt+response token-exactly: {exact}")
+            print(f"      new tokens after it: {_show(tok, call['prompt_ids'][n:])}")
+        prev = call
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import httpx
 from inharness.procs import ServerProcess, free_port
 
 if TYPE_CHECKING:
+    from inharness.gateway.client import GatewayClient
     from inharness.operator.rollouts import ClaimingController
     from inharness.runlock import RunLock
     from inharness.supervisor import Supervisor
@@ -250,7 +251,12 @@ class _LocalRun:
             supervisor.stop_all()
 
     async def _train(
-        self, gw: Any, gateway_url: str, engine_url: str, supervisor: "Supervisor", stop: asyncio.Event
+        self,
+        gw: "GatewayClient",
+        gateway_url: str,
+        engine_url: str,
+        supervisor: "Supervisor",
+        stop: asyncio.Event,
     ) -> str | None:
         """The rollout controller and the training loop side by side, until either stops the run."""
         from inharness.operator.rollouts.local import LocalRolloutController

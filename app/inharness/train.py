@@ -26,10 +26,17 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from inharness.procs import ServerProcess
+
+if TYPE_CHECKING:
+    from inharness.gateway.client import GatewayClient
+    from inharness.operator.specfile import Specs
+    from inharness.trainer.loop import LoopState, RunDir
+    from inharness.trainer.torch_engine import TorchTrainingEngine
 
 log = logging.getLogger("inharness.train")
 
@@ -75,78 +82,109 @@ async def _train(
     sha: str,
 ) -> int:
     from inharness.gateway.client import GatewayClient
-    from inharness.gateway.schema import ProgressReport
-    from inharness.operator.specfile import SpecError, load_specs, load_tasks
-    from inharness.run import load_policy, loop_config
-    from inharness.trainer.loop import NoTrainableSamples, RunDir, TrainingLoop
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if not await _wait_for_gateway(gateway_url, stop):
-        print(f"inharness train: the gateway at {gateway_url} did not answer", file=sys.stderr)
-        return 1
-
-    async with GatewayClient(gateway_url, admin_token) as gw:
-        try:
-            specs = dataclasses.replace(load_specs(config, check_files=False), base_dir=Path.cwd())
-            tasks = load_tasks(specs)
-            spec = specs.training_run.spec
-            rd = RunDir(out, checkpoints=specs.resolve(spec.checkpoint.dir) if spec.checkpoint.dir else None)
-            rd.root.mkdir(parents=True, exist_ok=True)
-            policy, state, serve_path = load_policy(specs, rd, resume=True)
-        except (SpecError, OSError, ValueError) as exc:
-            await gw.report_progress(
-                ProgressReport(
-                    step=0,
-                    total_steps=_steps(config),
-                    state="failed",
-                    message=str(exc)[:4000],
-                    config_sha256=sha,
-                )
+    try:
+        if not await _wait_for_gateway(gateway_url, stop):
+            print(f"inharness train: the gateway at {gateway_url} did not answer", file=sys.stderr)
+            return 1
+        async with GatewayClient(gateway_url, admin_token) as gw:
+            loaded = await _load(config, out, gw, sha)
+            if loaded is None:
+                return 1
+            argv = ["engine", "--model", str(loaded.serve_path), "--host", engine_host]
+            argv += ["--port", str(engine_port)]
+            engine = ServerProcess.inharness(
+                argv, port=engine_port, log=loaded.rd.logs / "engine.log", health="/health"
             )
+            try:
+                engine.spawn()  # from the event loop's thread: the engine dies with this process
+                await asyncio.to_thread(engine.wait_healthy)
+                return await _run(loaded, gw, engine_url, sha, stop)
+            finally:
+                await asyncio.to_thread(engine.stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+@dataclasses.dataclass
+class _Loaded:
+    """What the config file gives the trainer: the specs, their tasks, the run directory, and the
+    policy with its loop state and the weights to serve first."""
+
+    specs: "Specs"
+    tasks: list[Any]
+    rd: "RunDir"
+    policy: "TorchTrainingEngine"
+    state: "LoopState"
+    serve_path: Path
+
+
+async def _load(config: Path, out: Path, gw: "GatewayClient", sha: str) -> _Loaded | None:
+    """The config loaded and the policy resumed from --out; None (reported to the gateway as a failure
+    of this config, so the run becomes Failed) when it cannot run."""
+    from inharness.gateway.schema import ProgressReport
+    from inharness.operator.specfile import SpecError, load_specs, load_tasks
+    from inharness.trainer.config import load_policy
+    from inharness.trainer.loop import RunDir
+
+    try:
+        specs = dataclasses.replace(load_specs(config, check_files=False), base_dir=Path.cwd())
+        tasks = load_tasks(specs)
+        spec = specs.training_run.spec
+        rd = RunDir(out, checkpoints=specs.resolve(spec.checkpoint.dir) if spec.checkpoint.dir else None)
+        rd.root.mkdir(parents=True, exist_ok=True)
+        policy, state, serve_path = load_policy(specs, rd, resume=True)
+    except (SpecError, OSError, ValueError) as exc:
+        await gw.report_progress(
+            ProgressReport(
+                step=0,
+                total_steps=_steps(config),
+                state="failed",
+                message=str(exc)[:4000],
+                config_sha256=sha,
+            )
+        )
+        print(f"inharness train: {exc}", file=sys.stderr)
+        return None
+    return _Loaded(specs, tasks, rd, policy, state, serve_path)
+
+
+async def _run(loaded: _Loaded, gw: "GatewayClient", engine_url: str, sha: str, stop: asyncio.Event) -> int:
+    """Serve the first version, train to the last step, then wait to be scaled down."""
+    from inharness.trainer.config import loop_config
+    from inharness.trainer.loop import NoTrainableSamples, TrainingLoop
+
+    state, steps = loaded.state, loaded.specs.training_run.spec.steps
+    await gw.register_version(state.version, [engine_url], activate=True)
+    training = TrainingLoop(
+        gateway=gw,
+        engine_urls=[engine_url],
+        policy=loaded.policy,
+        tasks=loaded.tasks,
+        config=loop_config(loaded.specs, config_sha256=sha),
+        run_dir=loaded.rd,
+        state=state,
+    )
+    if state.step >= steps:
+        await training.report("complete")
+    else:
+        try:
+            await training.run(stop)
+        except NoTrainableSamples as exc:
+            await training.report("failed", message=str(exc))
             print(f"inharness train: {exc}", file=sys.stderr)
             return 1
-
-        engine = ServerProcess.inharness(
-            ["engine", "--model", str(serve_path), "--host", engine_host, "--port", str(engine_port)],
-            port=engine_port,
-            log=rd.logs / "engine.log",
-            health="/health",
-        )
-        try:
-            engine.spawn()  # from the event loop's thread: the engine dies with this process
-            await asyncio.to_thread(engine.wait_healthy)
-            await gw.register_version(state.version, [engine_url], activate=True)
-            training = TrainingLoop(
-                gateway=gw,
-                engine_urls=[engine_url],
-                policy=policy,
-                tasks=tasks,
-                config=loop_config(specs, config_sha256=sha),
-                run_dir=rd,
-                state=state,
-            )
-            if state.step >= spec.steps:
-                await training.report("complete")
-            else:
-                try:
-                    await training.run(stop)
-                except NoTrainableSamples as exc:
-                    await training.report("failed", message=str(exc))
-                    print(f"inharness train: {exc}", file=sys.stderr)
-                    return 1
-            if state.step >= spec.steps:
-                name = specs.training_run.metadata.name
-                print(f"{name}: all {spec.steps} steps done; waiting to be scaled down", flush=True)
-                await stop.wait()
-                return 0
-            return 143  # stopped by a signal before the last step; the next pod resumes
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-            await asyncio.to_thread(engine.stop)
+    if state.step >= steps:
+        name = loaded.specs.training_run.metadata.name
+        print(f"{name}: all {steps} steps done; waiting to be scaled down", flush=True)
+        await stop.wait()
+        return 0
+    return 143  # stopped by a signal before the last step; the next pod resumes
 
 
 def train_file(

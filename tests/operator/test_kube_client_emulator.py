@@ -83,8 +83,11 @@ async def test_emulator_client_reads_kubeconfig(
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(k8s.kubeconfig(tmp_path / "config", url)))
     async with KubeClient.from_environment() as kube:
-        assert kube.server == url and kube.credentials.token == "emulator-token"
+        assert kube.credentials is None  # nothing loaded before the first request
         assert await kube.list(TRAININGRUNS, "ns") == []
+        assert kube.credentials is not None and kube.credentials.server == url
+        assert kube.credentials.authorization == "Bearer emulator-token"
+    assert [r.headers.get("Authorization") for r in k8s] == ["Bearer emulator-token"]
 
 
 class VirtualClock:

@@ -48,7 +48,8 @@ def test_fifth_means_use_at_least_one_step() -> None:
 
 def test_loop_config_carries_every_algorithm_field_of_the_spec() -> None:
     from inharness.operator.specfile import load_specs
-    from inharness.run import loop_config, with_overrides
+    from inharness.run import with_overrides
+    from inharness.trainer.config import loop_config
 
     example = Path(__file__).resolve().parents[2] / "examples" / "calc" / "trainingrun.yaml"
     overrides = {
@@ -66,11 +67,21 @@ def test_loop_config_carries_every_algorithm_field_of_the_spec() -> None:
         "spec.generation.temperature": 0.7,
     }
     update = loop_config(with_overrides(load_specs(example), overrides)).update
-    assert (update.estimator, update.advantage_level, update.loss_normalization) == (
+    assert (update.advantage_estimator, update.advantage_level, update.loss_normalization) == (
         "rloo",
         "sample",
         "token",
     )
-    assert (update.norm_by_std, update.clip_low, update.clip_high, update.kl_coef) == (False, 0.1, 0.3, 0.5)
-    assert (update.mini_batches, update.epochs, update.lr_warmup_steps, update.temperature) == (3, 5, 7, 0.7)
+    assert (update.normalize_by_std, update.clip_ratio_low, update.clip_ratio_high, update.kl_coef) == (
+        False,
+        0.1,
+        0.3,
+        0.5,
+    )
+    assert (update.ppo_mini_batches, update.ppo_epochs, update.lr_warmup_steps, update.temperature) == (
+        3,
+        5,
+        7,
+        0.7,
+    )
     assert update.grad_clip == 0.25

@@ -195,9 +195,9 @@ def test_token_budget_accumulation_equals_full_batch_gradient(
 
     def run(budget: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         config = UpdateConfig(
-            estimator=estimator,  # type: ignore[arg-type]
-            advantage_level=level,  # type: ignore[arg-type]
-            loss_normalization=normalization,  # type: ignore[arg-type]
+            advantage_estimator=estimator,
+            advantage_level=level,
+            loss_normalization=normalization,
             kl_coef=0.1,
             max_tokens_per_microbatch=budget,
             grad_clip=None,
@@ -230,7 +230,7 @@ def test_ppo_epochs_and_mini_batches_take_several_clipped_steps(
     model_dir: Path, samples: list[Sample]
 ) -> None:
     engine = TorchTrainingEngine(model_dir, learning_rate=3e-3)
-    m = engine.update(samples, UpdateConfig(mini_batches=2, epochs=2))
+    m = engine.update(samples, UpdateConfig(ppo_mini_batches=2, ppo_epochs=2))
     assert m["optimizer_steps"] == 4 == engine.step == m["step"]
     assert m["tokens"] == sum(s.num_generated_tokens for s in samples)
     # The first step is on fresh weights; the later ones see a moved policy, which is what the clip bounds.
@@ -246,7 +246,7 @@ def test_ppo_epochs_and_mini_batches_take_several_clipped_steps(
 def test_lr_warmup_ramps_the_rate_by_optimizer_step_and_survives_resume(
     model_dir: Path, samples: list[Sample], tmp_path: Path
 ) -> None:
-    config = UpdateConfig(mini_batches=2, lr_warmup_steps=4)
+    config = UpdateConfig(ppo_mini_batches=2, lr_warmup_steps=4)
     engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
     assert engine.update(samples, config)["lr"] == pytest.approx(2e-3 / 4)  # steps 1 and 2 of 4
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 / 4)
@@ -274,7 +274,7 @@ def test_batch_without_learning_signal_takes_no_step(model_dir: Path, samples: l
     flat = copy.deepcopy(samples)
     for s in flat:
         s.reward = 1.0
-    m = engine.update(_with_behaviour(engine, flat, 1.0), UpdateConfig(mini_batches=2))
+    m = engine.update(_with_behaviour(engine, flat, 1.0), UpdateConfig(ppo_mini_batches=2))
     assert m["optimizer_steps"] == 0 and m["grad_norm"] == 0 and engine.step == 1
     assert m["tokens"] == sum(s.num_generated_tokens for s in samples) and m["entropy"] > 0
     after = _params(engine)
@@ -397,9 +397,9 @@ def test_invalid_inputs_are_rejected(model_dir: Path, samples: list[Sample]) -> 
     with pytest.raises(ValueError, match="no generated tokens"):
         engine.update(prompt_only, UpdateConfig())
     with pytest.raises(ValueError, match="loss_normalization"):
-        UpdateConfig(loss_normalization="batch")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="mini_batches and epochs"):
-        UpdateConfig(mini_batches=0)
+        UpdateConfig(loss_normalization="batch")
+    with pytest.raises(ValueError, match="ppo_mini_batches and ppo_epochs"):
+        UpdateConfig(ppo_mini_batches=0)
     with pytest.raises(ValueError, match="lr_warmup_steps"):
         UpdateConfig(lr_warmup_steps=-1)
     assert engine.step == 0
@@ -489,7 +489,7 @@ def test_shared_prefix_gradient_equals_plain_gradient(
             v + rng.uniform(-0.3, 0.3) if m else 0.0
             for v, m in zip(s.behaviour_logprobs, s.loss_mask, strict=True)
         ]
-    config = UpdateConfig(loss_normalization=normalization, kl_coef=0.1, grad_clip=None)  # type: ignore[arg-type]
+    config = UpdateConfig(loss_normalization=normalization, kl_coef=0.1, grad_clip=None)
     calls = _model_calls(engine)
     shared_metrics, shared = engine.update(rows, config), _grads(engine)
     assert calls == [(1, 120), (4, 32)]

@@ -50,43 +50,53 @@ def _load_tokenizer(model_dir: str) -> tuple[Any, int, list[int]]:
     return tok, max_len, sorted(stops)
 
 
+async def _open_calls(settings: GatewaySettings, session: aiohttp.ClientSession) -> CallService:
+    """The call path with its store, engine pool, serving gate and metrics; the engines of the
+    initial version registered (active unless another version already is) and checked once."""
+    tokenizer, model_len, stops = _load_tokenizer(settings.model)
+    store = await Store.open(settings.store, sqlite_synchronous=settings.sqlite_synchronous)
+    pool = EnginePool(session, retries=settings.engine_retries)
+    if settings.engines:
+        has_active = any(v.active for v in await store.list_versions())
+        await store.register_version(settings.model_version, settings.engines, activate=not has_active)
+    for v in await store.list_versions():
+        pool.set_version(v.version, v.engines)
+        if v.active:
+            pool.active = v.version
+    await asyncio.gather(*(pool.check(e) for e in pool.engines()))
+    metrics = GatewayMetrics()
+    gate = ServingGate(default_hold_seconds=settings.hold_seconds)
+    metrics.in_flight.set_function(lambda: gate.in_flight)
+    metrics.held.set_function(lambda: gate.held)
+    return CallService(
+        store=store,
+        pool=pool,
+        prompts=PromptBuilder(tokenizer, store),
+        tokenizer=tokenizer,
+        gate=gate,
+        metrics=metrics,
+        max_model_len=settings.max_model_len or model_len,
+        stop_token_ids=stops,
+    )
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tokenizer, model_len, stops = _load_tokenizer(settings.model)
-        store = await Store.open(settings.store, sqlite_synchronous=settings.sqlite_synchronous)
         session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=settings.engine_timeout_seconds, sock_connect=5.0),
             connector=aiohttp.TCPConnector(limit=1024, limit_per_host=0, keepalive_timeout=60),
         )
-        pool = EnginePool(session, retries=settings.engine_retries)
-        if settings.engines:
-            has_active = any(v.active for v in await store.list_versions())
-            await store.register_version(settings.model_version, settings.engines, activate=not has_active)
-        for v in await store.list_versions():
-            pool.set_version(v.version, v.engines)
-            if v.active:
-                pool.active = v.version
-        await asyncio.gather(*(pool.check(e) for e in pool.engines()))
-        metrics = GatewayMetrics()
-        gate = ServingGate(default_hold_seconds=settings.hold_seconds)
-        metrics.in_flight.set_function(lambda: gate.in_flight)
-        metrics.held.set_function(lambda: gate.held)
-        calls = CallService(
-            store=store,
-            pool=pool,
-            prompts=PromptBuilder(tokenizer, store),
-            tokenizer=tokenizer,
-            gate=gate,
-            metrics=metrics,
-            max_model_len=settings.max_model_len or model_len,
-            stop_token_ids=stops,
-        )
-        app.state.store, app.state.calls = store, calls
+        try:
+            calls = await _open_calls(settings, session)
+        except BaseException:
+            await session.close()
+            raise
+        app.state.store, app.state.calls = calls.store, calls
         tasks = [
-            asyncio.create_task(pool.health_forever(), name="engine-health"),
+            asyncio.create_task(calls.pool.health_forever(), name="engine-health"),
             asyncio.create_task(
-                _sweep_leases(store, metrics, settings.lease_sweep_seconds), name="lease-sweeper"
+                _sweep_leases(calls.store, calls.metrics, settings.lease_sweep_seconds), name="lease-sweeper"
             ),
         ]
         try:
@@ -96,7 +106,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await session.close()
-            await store.close()
+            await calls.store.close()
 
     app = FastAPI(
         title="inharness gateway",

@@ -1,34 +1,43 @@
 """The Kubernetes API client our own code uses (kopf keeps its own for watching and handlers).
 
-Async, on aiohttp; credentials from the in-cluster service account, else the current context of
-KUBECONFIG (or ~/.kube/config). Requests are paced by a client-side token bucket (`qps`, `burst`)
-so a burst of work cannot flood the API server, and counted per verb (`requests`), which is how
-the benchmarks count API requests per attempt. Errors come back as `KubeError` with the API
+Async, on aiohttp. Credentials come from the `kubernetes` package's loaders (`login_from_environment`),
+the ones kopf's own login uses when that package is installed: the in-cluster service account, else
+the current context of KUBECONFIG with whatever user kubectl would take, exec plugins and OIDC
+included. Only the loaders: that package's API client is synchronous (urllib3), so the transport
+stays ours. A login runs in a thread (an exec plugin is a subprocess), at the first request; the
+loaders' own refresh hook is asked every `renew_seconds` whether a token is due (an exec token 5
+minutes before its expirationTimestamp, a rotating service-account token after a minute); a 401 logs
+in afresh once (the plugin runs again) and sends the request again.
+
+Requests are paced by a client-side token bucket (`qps`, `burst`) so a burst of work cannot flood
+the API server, and counted per verb (`requests`, a request sent again after a 401 included), which
+is how the benchmarks count API requests per attempt. Errors come back as `KubeError` with the API
 server's status, reason and message; 404 is `NotFound`, 409 on create `AlreadyExists`, other 409s
-`Conflict`.
+`Conflict`; credentials that cannot be loaded are `KubeError`s with status 0.
 """
 
 import asyncio
-import base64
+import contextlib
+import functools
 import json
+import logging
 import os
 import ssl
-import tempfile
+import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import yaml
+from kubernetes.client import Configuration
+from kubernetes.config import ConfigException, load_incluster_config
+from kubernetes.config.kube_config import KubeConfigLoader, KubeConfigMerger
 
 from inharness.operator.api import GROUP, HARNESSSPEC, ROLLOUTPOOL, TRAININGRUN, VERSION
 
 Obj = dict[str, Any]
-
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 @dataclass(frozen=True)
@@ -110,13 +119,22 @@ class _TokenBucket:
 
 @dataclass(frozen=True)
 class Credentials:
+    """Where the API server is, how to trust it and who we are: what one login gives."""
+
     server: str
-    token: str | None = None
-    token_file: Path | None = None  # re-read: bound service-account tokens rotate
+    authorization: str | None = None  # the Authorization header: "Bearer …" (or "Basic …")
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
     insecure: bool = False
+    tls_server_name: str | None = None
+    # Blocking (it may run an exec plugin): these credentials now, a token that is due renewed by the
+    # loader's own rule. None: they never change (a server URL and a token given to KubeClient).
+    renew: "Callable[[], Credentials] | None" = field(default=None, compare=False, repr=False)
+
+
+Login = Callable[[], Credentials]
+"""Blocking (it may run an exec plugin): called in a thread, at the first request and after a 401."""
 
 
 class KubeClient:
@@ -125,38 +143,33 @@ class KubeClient:
         server: str | None = None,
         token: str | None = None,
         *,
-        credentials: Credentials | None = None,
+        login: Login | None = None,
         qps: float = 50.0,
         burst: int = 100,
         timeout: float = 30.0,
+        renew_seconds: float = 30.0,
     ) -> None:
-        if credentials is None:
-            if server is None:
-                raise ValueError("KubeClient needs a server URL or credentials")
-            credentials = Credentials(server=server, token=token)
-        self.credentials = credentials
-        self.server = credentials.server.rstrip("/")
+        """`server` (and `token`) for fixed credentials, or `login` for ones that are loaded and renewed."""
+        if (server is None) == (login is None):
+            raise ValueError("KubeClient needs a server URL or a login, not both")
+        self.credentials: Credentials | None = None  # until the first request logs in
+        if server is not None:
+            self.credentials = Credentials(server.rstrip("/"), f"Bearer {token}" if token else None)
         self.requests: Counter[str] = Counter()
+        self._login = login
+        self._renew_seconds = renew_seconds
+        self._renewed_at = time.monotonic()
+        self._auth_lock = asyncio.Lock()
+        self._ssl: dict[tuple[str | None, str | None, str | None, bool], ssl.SSLContext | bool] = {}
         self._bucket = _TokenBucket(qps, burst)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10.0))
         self._session: aiohttp.ClientSession | None = None
-        self._token: tuple[float, str | None] = (0.0, credentials.token)
 
     @classmethod
     def from_environment(cls, **kwargs: Any) -> "KubeClient":
-        """In a pod: its service account. Elsewhere: KUBECONFIG's (or ~/.kube/config's) current context."""
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
-        if host and port and (SERVICE_ACCOUNT / "token").exists():
-            server = f"https://{f'[{host}]' if ':' in host else host}:{port}"
-            return cls(
-                credentials=Credentials(
-                    server=server,
-                    token_file=SERVICE_ACCOUNT / "token",
-                    ca_file=str(SERVICE_ACCOUNT / "ca.crt"),
-                ),
-                **kwargs,
-            )
-        return cls(credentials=_from_kubeconfig(), **kwargs)
+        """In a pod: its service account. Elsewhere: KUBECONFIG's (or ~/.kube/config's) current context.
+        Nothing is loaded before the first request (see `login_from_environment`)."""
+        return cls(login=login_from_environment, **kwargs)
 
     async def __aenter__(self) -> "KubeClient":
         return self
@@ -169,35 +182,91 @@ class KubeClient:
             await self._session.close()
             self._session = None
 
-    # -- requests ------------------------------------------------------------------------------
+    # -- credentials ---------------------------------------------------------------------------
 
-    def _ssl(self) -> ssl.SSLContext | bool:
+    async def _credentials(self) -> Credentials:
+        """The credentials to send now: logged in at the first request, renewed every `renew_seconds`."""
         c = self.credentials
-        if not self.server.startswith("https"):
+        if c is not None and (c.renew is None or time.monotonic() - self._renewed_at < self._renew_seconds):
+            return c
+        async with self._auth_lock:
+            if self.credentials is c:  # else another request logged in or renewed while this one waited
+                load = self._login if c is None else c.renew
+                assert load is not None
+                self.credentials = await asyncio.to_thread(load)
+                self._renewed_at = time.monotonic()
+            assert self.credentials is not None
+            return self.credentials
+
+    async def _unauthorized(self, sent: Credentials) -> bool:
+        """After a 401 on `sent`: log in afresh (the exec plugin runs again, token files are re-read), once
+        for all the requests that were sent with them. False when there is no login to do it with."""
+        if self._login is None:
             return False
-        if c.insecure:
-            return False
-        context = ssl.create_default_context(cafile=c.ca_file)
-        if c.cert_file:
-            context.load_cert_chain(c.cert_file, c.key_file)
-        return context
+        async with self._auth_lock:
+            if self.credentials is sent:
+                self.credentials = await asyncio.to_thread(self._login)
+                self._renewed_at = time.monotonic()
+        return True
+
+    def _ssl_for(self, c: Credentials) -> ssl.SSLContext | bool:
+        key = (c.ca_file, c.cert_file, c.key_file, c.insecure)
+        if key not in self._ssl:
+            if c.insecure or not c.server.startswith("https"):
+                self._ssl[key] = False
+            else:
+                context = ssl.create_default_context(cafile=c.ca_file)
+                if c.cert_file:
+                    context.load_cert_chain(c.cert_file, c.key_file)
+                self._ssl[key] = context
+        return self._ssl[key]
+
+    # -- requests ------------------------------------------------------------------------------
 
     def _session_for_loop(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=64)
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=64)
             )
         return self._session
 
-    def _bearer(self) -> str | None:
-        c = self.credentials
-        if c.token_file is None:
-            return c.token
-        read_at, token = self._token
-        if time.monotonic() - read_at > 60 or token is None:
-            token = c.token_file.read_text().strip()
-            self._token = (time.monotonic(), token)
-        return token
+    @contextlib.asynccontextmanager
+    async def _send(
+        self,
+        verb: str,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+        client_timeout: aiohttp.ClientTimeout | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request, paced and counted; after a 401, a fresh login and the request once more."""
+        headers = {"Accept": "application/json"}
+        data = None
+        if body is not None:
+            data, headers["Content-Type"] = json.dumps(body).encode(), content_type
+        for attempt in range(2):
+            await self._bucket.take()
+            self.requests[verb] += 1
+            c = await self._credentials()
+            if c.authorization:
+                headers["Authorization"] = c.authorization
+            async with self._session_for_loop().request(
+                method,
+                c.server + path,
+                params=params,
+                data=data,
+                headers=headers,
+                ssl=self._ssl_for(c),
+                server_hostname=c.tls_server_name,
+                timeout=client_timeout or self._timeout,
+            ) as r:
+                if r.status == 401 and attempt == 0 and await self._unauthorized(c):
+                    continue
+                yield r
+                return
 
     async def _request(
         self,
@@ -209,18 +278,7 @@ class KubeClient:
         body: Any = None,
         content_type: str = "application/json",
     ) -> Obj:
-        await self._bucket.take()
-        self.requests[verb] += 1
-        headers = {"Accept": "application/json"}
-        token = self._bearer()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        data = None
-        if body is not None:
-            data, headers["Content-Type"] = json.dumps(body).encode(), content_type
-        async with self._session_for_loop().request(
-            method, self.server + path, params=params, data=data, headers=headers
-        ) as r:
+        async with self._send(verb, method, path, params=params, body=body, content_type=content_type) as r:
             text = await r.text()
             if r.status >= 400:
                 raise _error(r.status, text, creating=verb == "create")
@@ -302,16 +360,9 @@ class KubeClient:
             params["labelSelector"] = label_selector
         if resource_version:
             params["resourceVersion"] = resource_version
-        await self._bucket.take()
-        self.requests["watch"] += 1
-        headers = {"Accept": "application/json"}
-        token = self._bearer()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        session = self._session_for_loop()
         timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_seconds + 30)
-        async with session.get(
-            self.server + resource.path(namespace), params=params, headers=headers, timeout=timeout
+        async with self._send(
+            "watch", "GET", resource.path(namespace), params=params, client_timeout=timeout
         ) as r:
             if r.status >= 400:
                 raise _error(r.status, await r.text())
@@ -340,40 +391,82 @@ def _error(status: int, text: str, *, creating: bool = False) -> KubeError:
     return KubeError(status, reason or "Error", message)
 
 
-def _from_kubeconfig() -> Credentials:
-    paths = [p for p in (os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep) if p]
-    merged: dict[str, dict[str, Any]] = {"contexts": {}, "clusters": {}, "users": {}}
-    current: str | None = None
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if not path.exists():
-            continue
-        config = yaml.safe_load(path.read_text()) or {}
-        current = current or config.get("current-context")
-        for section in merged:
-            for item in config.get(section) or []:
-                merged[section].setdefault(item["name"], item.get(section.removesuffix("s")) or {})
-    if current is None or current not in merged["contexts"]:
+def login_from_environment() -> Credentials:
+    """The `kubernetes` package's loaders, the ones kopf's own login uses: in a pod, its service account
+    (the token file is re-read every minute: bound tokens rotate); elsewhere, KUBECONFIG's (or
+    ~/.kube/config's) current context with any user kubectl takes: a token or token file, a client
+    certificate, an exec plugin (`aws eks get-token`, `gke-gcloud-auth-plugin`, `kubelogin`), an OIDC or
+    GCP auth provider (a refreshed token is written back to the kubeconfig, as kubectl does)."""
+    configuration = Configuration()
+    try:
+        load_incluster_config(client_configuration=configuration)
+    except ConfigException as not_in_pod:
+        _load_kubeconfig(configuration, not_in_pod)
+    return _credentials(configuration)
+
+
+def _load_kubeconfig(configuration: Configuration, not_in_pod: ConfigException) -> None:
+    paths = os.environ.get("KUBECONFIG") or "~/.kube/config"  # now: the package reads it once, when imported
+    try:
+        merged = KubeConfigMerger(paths)
+        if merged.config is None:
+            raise ConfigException(f"no kubeconfig at {paths}")
+        loader = KubeConfigLoader(merged.config, config_base_path=None, config_persister=merged.save_changes)
+        with _LoaderErrors() as errors:
+            loader.load_and_set(configuration)
+    except ConfigException as e:
         raise KubeError(
-            0, "NoCredentials", "no in-cluster service account and no current context in KUBECONFIG"
+            0, "NoCredentials", f"not in a pod ({not_in_pod}) and, from KUBECONFIG: {e}"
+        ) from None
+    user_name = loader.current_context["context"].get("user")
+    user = merged.config["users"].get_with_name(user_name, safe=True) if user_name else None
+    plugin = ((user.value.get("user") if user else None) or {}).get("exec")
+    if plugin and not (configuration.api_key.get("BearerToken") or configuration.cert_file):
+        reasons = "; ".join(errors.messages) or "its error was not logged"
+        raise KubeError(
+            0,
+            "ExecPluginFailed",
+            f"the exec credential plugin {plugin.get('command')!r} of user {user_name!r} gave no credential: "
+            + reasons,
         )
-    context = merged["contexts"][current]
-    cluster = merged["clusters"].get(context.get("cluster"), {})
-    user = merged["users"].get(context.get("user"), {})
+
+
+def _credentials(configuration: Configuration) -> Credentials:
+    """What a loaded Configuration holds. Asking it for the token runs the loader's refresh hook: an exec
+    plugin runs again when its token is within 5 minutes of its expirationTimestamp (OIDC and GCP tokens
+    likewise), the service-account token file is re-read when read over a minute ago."""
+    try:
+        authorization = configuration.get_api_key_with_prefix("BearerToken")
+    except (ConfigException, OSError) as e:
+        raise KubeError(0, "NoCredentials", str(e)) from None
     return Credentials(
-        server=cluster["server"],
-        token=user.get("token"),
-        ca_file=cluster.get("certificate-authority") or _data_file(cluster.get("certificate-authority-data")),
-        cert_file=user.get("client-certificate") or _data_file(user.get("client-certificate-data")),
-        key_file=user.get("client-key") or _data_file(user.get("client-key-data")),
-        insecure=bool(cluster.get("insecure-skip-tls-verify")),
+        server=configuration.host.rstrip("/"),
+        authorization=authorization.strip() if authorization else None,
+        ca_file=configuration.ssl_ca_cert,
+        cert_file=configuration.cert_file,
+        key_file=configuration.key_file,
+        insecure=not configuration.verify_ssl,
+        tls_server_name=configuration.tls_server_name,
+        renew=functools.partial(_credentials, configuration),
     )
 
 
-def _data_file(data: str | None) -> str | None:
-    """Inline base64 PEM from a kubeconfig, as a file: ssl loads certificates from paths."""
-    if not data:
-        return None
-    with tempfile.NamedTemporaryFile("wb", suffix=".pem", delete=False) as f:
-        f.write(base64.b64decode(data))
-    return f.name
+class _LoaderErrors(logging.Handler):
+    """Why an exec plugin gave nothing: the kubeconfig loader logs the reason (its exit status and stderr)
+    and carries on without a credential. Collected from this thread only, while a login runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.thread = threading.get_ident()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread and record.module == "kube_config":
+            self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "_LoaderErrors":
+        logging.getLogger().addHandler(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        logging.getLogger().removeHandler(self)

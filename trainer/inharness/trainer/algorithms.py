@@ -251,7 +251,12 @@ def token_advantages(
     per_level = ADVANTAGE_LEVELS.get(level)
     _check_1d("sample_rollout_index", sample_rollout_index, mask.shape[0])
     per_sample = per_level(
-        rollout_rewards, rollout_group_index, sample_rollout_index, estimator, norm_by_std=norm_by_std, eps=eps
+        rollout_rewards,
+        rollout_group_index,
+        sample_rollout_index,
+        estimator,
+        norm_by_std=norm_by_std,
+        eps=eps,
     )
     return per_sample[:, None] * mask.to(per_sample.dtype)
 
@@ -285,7 +290,8 @@ def rollout_weights(mask: Tensor, rollout_index: Tensor | None = None) -> Tensor
     _check_1d("rollout_index", rollout_index, mask.shape[0])
     per_row = mask.sum(dim=1)
     inverse, n_rollouts = _dense(rollout_index.to(mask.device))
-    per_rollout = torch.zeros(n_rollouts, dtype=mask.dtype, device=mask.device).index_add_(0, inverse, per_row)
+    per_rollout = torch.zeros(n_rollouts, dtype=mask.dtype, device=mask.device)
+    per_rollout.index_add_(0, inverse, per_row)
     active = (per_rollout > 0).sum().clamp(min=1)
     return mask / per_rollout[inverse].clamp(min=1)[:, None] / active
 
@@ -399,8 +405,8 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor, *, max_value: float | None = N
     return 0.5 * (logprobs - ref_logprobs).square()
 
 
-@register_kl_estimator("k3")
 @register_kl_estimator("low_var_kl")
+@register_kl_estimator("k3")
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, *, max_value: float | None = 10.0) -> Tensor:
     """``exp(ref_logp - logp) - (ref_logp - logp) - 1``; unbiased, non-negative, low variance (verl's
     ``low_var_kl``). Its log ratio is clamped to +-20 and, with ``max_value``, the value to

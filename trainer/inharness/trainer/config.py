@@ -98,8 +98,9 @@ class UpdateConfig:
             raise ValueError("lr_warmup_steps must be non-negative")
 
 
+_NOT_ALGORITHM = ("temperature", "max_tokens_per_microbatch")
 SPEC_ALGORITHM_FIELDS = tuple(
-    f.name for f in dataclasses.fields(UpdateConfig) if f.name not in ("temperature", "max_tokens_per_microbatch")
+    f.name for f in dataclasses.fields(UpdateConfig) if f.name not in _NOT_ALGORITHM
 )
 """The `UpdateConfig` fields that are ``spec.algorithm`` fields of the same name."""
 

@@ -332,7 +332,7 @@ class TorchTrainingEngine:
         return out
 
     def update(self, samples: Sequence[Sample], config: UpdateConfig) -> dict[str, float]:
-        """``config.ppo_epochs * config.ppo_mini_batches`` optimizer steps on the batch; returns metrics (below).
+        """``ppo_epochs * ppo_mini_batches`` optimizer steps on the batch; returns metrics (below).
 
         Advantages are computed once over the whole batch (groups stay whole whatever the split), and
         mini-batches hold whole rollouts, so rollout-level normalisation sees every rollout entire. Loss

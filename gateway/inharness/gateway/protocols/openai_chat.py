@@ -218,22 +218,17 @@ async def _stream(
         "system_fingerprint": f"inharness-v{ctx.version}",
     }
 
-    def sse(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return b"data: " + orjson.dumps({**head, "choices": choices, **extra}) + b"\n\n"
+    def event(body: dict[str, Any]) -> bytes:
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def sse(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return event({**head, "choices": [choice]})
 
     states = [_ChoiceStream(svc, ctx, i, parse_tools) for i in range(ctx.sampling.n)]
     try:
         for s in states:
-            yield sse(
-                [
-                    {
-                        "index": s.output.index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
+            yield sse(s.output.index, {"role": "assistant", "content": ""})
         try:
             async for index, ids, lps, finish in chunks:
                 s = states[index]
@@ -248,36 +243,17 @@ async def _stream(
                 if lp is not None and not deltas:
                     deltas.append({"content": ""})
                 for n, d in enumerate(deltas):
-                    yield sse(
-                        [
-                            {
-                                "index": index,
-                                "delta": d,
-                                "logprobs": lp if n == 0 else None,
-                                "finish_reason": None,
-                            }
-                        ]
-                    )
+                    yield sse(index, d, lp if n == 0 else None)
         except APIError as exc:
-            yield b"data: " + orjson.dumps(error_body(exc.status, exc.message, code=exc.code)) + b"\n\n"
+            yield event(error_body(exc.status, exc.message, code=exc.code))
             return
         outputs = [s.output for s in states]
         replies = [_reply("".join(s.content) or None, s.parser.tool_calls) for s in states]
-        body = _assembled(ctx, states, outputs)
-        await ctx.record(outputs, replies, body)
+        await ctx.record(outputs, replies, _assembled(ctx, states, outputs))
         for s in states:
-            yield sse(
-                [
-                    {
-                        "index": s.output.index,
-                        "delta": {},
-                        "logprobs": None,
-                        "finish_reason": _finish(s.output, bool(s.parser.tool_calls)),
-                    }
-                ]
-            )
+            yield sse(s.output.index, {}, finish=_finish(s.output, bool(s.parser.tool_calls)))
         if req.stream_options and req.stream_options.include_usage:
-            yield sse([], usage=_usage(ctx, outputs))
+            yield event({**head, "choices": [], "usage": _usage(ctx, outputs)})
         yield b"data: [DONE]\n\n"
     finally:
         await stack.aclose()

@@ -40,7 +40,6 @@ from inharness.engine import DEFAULT_PORT as ENGINE_DEFAULT_PORT
 from inharness.gateway.settings import DEFAULT_PORT as GATEWAY_DEFAULT_PORT
 from inharness.operator.api import API_VERSION
 from inharness.operator.render.pods import (
-    RUN_AS,
     WORKSPACE,
     http_probe,
     overrides_of,
@@ -244,54 +243,49 @@ def render_children(
     ns = run.metadata.namespace or settings.namespace
     config = run_config(run, pool, harness, ns)
     token_hash = _sha256(admin_token)
-    suspended = run.spec.suspend
 
     def meta(obj_name: str, component: str) -> Obj:
         return _meta(name, obj_name, component, ns, owner_uid)
 
-    secret = {
+    out = [
+        _admin_secret(meta(gateway_name(name), "gateway"), admin_token),
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta(config_name(name), "trainer"),
+            "data": {CONFIG_KEY: config},
+        },
+    ]
+    gw_overrides = overrides_of(run.spec.gateway.pod)
+    if "store" not in user_volume_names(gw_overrides):
+        out.append(_store_claim(meta(store_claim_name(name), "gateway"), settings))
+    gw_meta = meta(gateway_name(name), "gateway")
+    out.append(_gateway_service(name, gw_meta))
+    out.append(_gateway_deployment(run, harness, pool, gw_meta, settings, gw_overrides, token_hash))
+    out.append(_trainer_service(name, meta(trainer_name(name), "trainer")))
+    replicas = 0 if run.spec.suspend or finished else 1
+    tr_meta = meta(trainer_name(name), "trainer")
+    out.append(_trainer_statefulset(run, tr_meta, settings, _sha256(config), token_hash, replicas=replicas))
+    return out
+
+
+def _admin_secret(meta: Obj, admin_token: str) -> Obj:
+    return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": meta(gateway_name(name), "gateway"),
+        "metadata": meta,
         "type": "Opaque",
         "data": {ADMIN_TOKEN_KEY: base64.b64encode(admin_token.encode()).decode()},
     }
-    configmap = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": meta(config_name(name), "trainer"),
-        "data": {CONFIG_KEY: config},
-    }
-    out: list[Obj] = [secret, configmap]
 
-    gw_overrides = overrides_of(run.spec.gateway.pod)
-    if "store" not in user_volume_names(gw_overrides):
-        out.append(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": meta(store_claim_name(name), "gateway"),
-                "spec": _claim(settings.gateway_store_size, settings),
-            }
-        )
-    out.append(_gateway_service(name, meta(gateway_name(name), "gateway")))
-    out.append(
-        _gateway_deployment(
-            run, harness, pool, meta(gateway_name(name), "gateway"), settings, gw_overrides, token_hash
-        )
-    )
-    out.append(_trainer_service(name, meta(trainer_name(name), "trainer")))
-    out.append(
-        _trainer_statefulset(
-            run,
-            meta(trainer_name(name), "trainer"),
-            settings,
-            _sha256(config),
-            token_hash,
-            replicas=0 if suspended or finished else 1,
-        )
-    )
-    return out
+
+def _store_claim(meta: Obj, settings: RenderSettings) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": meta,
+        "spec": _claim(settings.gateway_store_size, settings),
+    }
 
 
 def _gateway_service(run: str, meta: Obj) -> Obj:
@@ -305,6 +299,27 @@ def _gateway_service(run: str, meta: Obj) -> Obj:
             "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
+
+
+def _gateway_args(run: TrainingRun, harness: HarnessSpec, pool: RolloutPool) -> list[str]:
+    """`inharness gateway` flags: the model, the engine of trainer replica 0, the store on the claim."""
+    return [
+        "gateway",
+        "--model",
+        resolve_path(run.spec.model.path),
+        "--engine",
+        engine_url(run.metadata.name),
+        "--store",
+        f"sqlite:///{STORE_DIR}/gateway.db",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(GATEWAY_PORT),
+        "--served-model-name",
+        harness.spec.model.model_name,
+        "--max-attempts",
+        str(pool.spec.max_attempts_per_rollout),
+    ]
 
 
 def _gateway_deployment(
@@ -321,23 +336,7 @@ def _gateway_deployment(
         "name": "gateway",
         "image": run.spec.gateway.image or settings.gateway_image,
         "command": ["inharness"],
-        "args": [
-            "gateway",
-            "--model",
-            resolve_path(run.spec.model.path),
-            "--engine",
-            engine_url(name),
-            "--store",
-            f"sqlite:///{STORE_DIR}/gateway.db",
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(GATEWAY_PORT),
-            "--served-model-name",
-            harness.spec.model.model_name,
-            "--max-attempts",
-            str(pool.spec.max_attempts_per_rollout),
-        ],
+        "args": _gateway_args(run, harness, pool),
         "workingDir": WORKSPACE,
         "env": [_token_env(name), {"name": "HOME", "value": "/tmp"}],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
@@ -354,7 +353,6 @@ def _gateway_deployment(
         {"name": "store", "persistentVolumeClaim": {"claimName": store_claim_name(name)}},
         {"name": "tmp", "emptyDir": {}},
     ]
-    pod_labels = labels(name, "gateway")
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -366,7 +364,10 @@ def _gateway_deployment(
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector_labels(name, "gateway")},
             "template": {
-                "metadata": {"labels": pod_labels, "annotations": {TOKEN_HASH_ANNOTATION: token_hash}},
+                "metadata": {
+                    "labels": labels(name, "gateway"),
+                    "annotations": {TOKEN_HASH_ANNOTATION: token_hash},
+                },
                 "spec": pod_spec(container, volumes, overrides),
             },
         },
@@ -391,12 +392,9 @@ def _trainer_service(run: str, meta: Obj) -> Obj:
     }
 
 
-def _trainer_statefulset(
-    run: TrainingRun, meta: Obj, settings: RenderSettings, config_hash: str, token_hash: str, *, replicas: int
-) -> Obj:
+def _trainer_container(run: TrainingRun, settings: RenderSettings) -> Obj:
     name = run.metadata.name
     trainer = run.spec.trainer
-    overrides = overrides_of(trainer.pod)
     container: Obj = {
         "name": "trainer",
         "image": trainer.image or settings.trainer_image,
@@ -432,6 +430,15 @@ def _trainer_statefulset(
     }
     if trainer.gpus > 0:
         container["resources"] = {"limits": {GPU_RESOURCE: str(trainer.gpus)}}
+    return container
+
+
+def _trainer_statefulset(
+    run: TrainingRun, meta: Obj, settings: RenderSettings, config_hash: str, token_hash: str, *, replicas: int
+) -> Obj:
+    name = run.metadata.name
+    trainer = run.spec.trainer
+    overrides = overrides_of(trainer.pod)
     volumes: list[Obj] = [
         {"name": "config", "configMap": {"name": config_name(name)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": trainer.shm_size}},
@@ -440,7 +447,6 @@ def _trainer_statefulset(
     extra: Obj = {}
     if trainer.gpus > 0:
         extra["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-    pod_spec = pod_spec(container, volumes, overrides, **extra)
     spec: Obj = {
         "replicas": replicas,
         "serviceName": trainer_name(name),
@@ -451,7 +457,7 @@ def _trainer_statefulset(
                 "labels": labels(name, "trainer"),
                 "annotations": {CONFIG_HASH_ANNOTATION: config_hash, TOKEN_HASH_ANNOTATION: token_hash},
             },
-            "spec": pod_spec,
+            "spec": pod_spec(_trainer_container(run, settings), volumes, overrides, **extra),
         },
     }
     if "work" not in user_volume_names(overrides):
