@@ -36,9 +36,11 @@ if os.environ.get("PLUGIN_FAIL"):
     sys.exit("boom: run `cloud login` first")
 status = {"token": f"token-{n}"}
 if os.environ.get("PLUGIN_EXPIRES_IN"):
-    at = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=int(os.environ["PLUGIN_EXPIRES_IN"]))
+    expires_in = datetime.timedelta(seconds=int(os.environ["PLUGIN_EXPIRES_IN"]))
+    at = datetime.datetime.now(datetime.UTC) + expires_in
     status["expirationTimestamp"] = at.strftime("%Y-%m-%dT%H:%M:%SZ")
-print(json.dumps({"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential", "status": status}))
+credential = {"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential", "status": status}
+print(json.dumps(credential))
 """
 
 EMPTY_LIST = {"apiVersion": "v1", "kind": "ConfigMapList", "metadata": {"resourceVersion": "1"}, "items": []}

@@ -432,13 +432,8 @@ def _load_kubeconfig(configuration: Configuration, not_in_pod: ConfigException) 
 
 
 def _credentials(configuration: Configuration) -> Credentials:
-    """What a loaded Configuration holds. Asking it for the token runs the loader's refresh hook: an exec
-    plugin runs again when its token is within 5 minutes of its expirationTimestamp (OIDC and GCP tokens
-    likewise), the service-account token file is re-read when read over a minute ago."""
-    try:
-        authorization = configuration.get_api_key_with_prefix("BearerToken")
-    except (ConfigException, OSError) as e:
-        raise KubeError(0, "NoCredentials", str(e)) from None
+    """What a loaded Configuration holds now."""
+    authorization = configuration.api_key.get("BearerToken")
     return Credentials(
         server=configuration.host.rstrip("/"),
         authorization=authorization.strip() if authorization else None,
@@ -447,8 +442,20 @@ def _credentials(configuration: Configuration) -> Credentials:
         key_file=configuration.key_file,
         insecure=not configuration.verify_ssl,
         tls_server_name=configuration.tls_server_name,
-        renew=functools.partial(_credentials, configuration),
+        renew=functools.partial(_renewed, configuration),
     )
+
+
+def _renewed(configuration: Configuration) -> Credentials:
+    """After the loader's refresh hook, which renews only what is due: an exec plugin runs again when
+    its token is within 5 minutes of its expirationTimestamp (OIDC and GCP tokens likewise), the
+    service-account token file is re-read when it was read over a minute ago."""
+    if configuration.refresh_api_key_hook is not None:
+        try:
+            configuration.refresh_api_key_hook(configuration)
+        except (ConfigException, OSError) as e:
+            raise KubeError(0, "NoCredentials", str(e)) from None
+    return _credentials(configuration)
 
 
 class _LoaderErrors(logging.Handler):

@@ -225,10 +225,10 @@ def _names(items: Iterable[tuple[str, Resource]]) -> str:
     return ", ".join(names) if names else "none"
 
 
-def _resolve_refs(
-    path: Path, base_dir: Path, docs: list[tuple[str, Resource]], run: str | None, check_files: bool = True
-) -> Specs:
-    errors: list[str] = []
+def _by_kind(
+    path: Path, docs: list[tuple[str, Resource]], errors: list[str]
+) -> dict[str, dict[str, tuple[str, Resource]]]:
+    """The documents by kind and name (where each was, and it); a duplicate name is an error."""
     by_kind: dict[str, dict[str, tuple[str, Resource]]] = {k: {} for k in KINDS}
     for where, res in docs:
         seen = by_kind[res.kind]
@@ -239,6 +239,30 @@ def _resolve_refs(
             )
         else:
             seen[res.metadata.name] = (where, res)
+    return by_kind
+
+
+def _choice_errors(path: Path, runs: dict[str, tuple[str, Resource]], run: str | None) -> list[str]:
+    """Why no single TrainingRun can be chosen: none, not the named one, or several and no name."""
+    if not runs:
+        return [
+            f"{path}: no TrainingRun document; a spec file holds a TrainingRun, the RolloutPool its "
+            "spec.rolloutPoolRef names and the HarnessSpec that pool's spec.harnessRef names"
+        ]
+    if run is not None and run not in runs:
+        return [f'{path}: no TrainingRun "{run}" (TrainingRuns here: {_names(runs.values())})']
+    if run is None and len(runs) > 1:
+        return [f"{path}: {len(runs)} TrainingRuns ({_names(runs.values())}); choose one by name"]
+    return []
+
+
+def _resolve_refs(
+    path: Path, base_dir: Path, docs: list[tuple[str, Resource]], run: str | None, check_files: bool = True
+) -> Specs:
+    """The chosen TrainingRun with its pool and harness, after checking every reference in the file
+    both ways (a missing target, an unreferenced document); every error at once."""
+    errors: list[str] = []
+    by_kind = _by_kind(path, docs, errors)
     runs, pools, harnesses = by_kind["TrainingRun"], by_kind["RolloutPool"], by_kind["HarnessSpec"]
 
     used_pools: set[str] = set()
@@ -276,15 +300,7 @@ def _resolve_refs(
         if harness.metadata.name not in used_harnesses:
             errors.append(f"{where}: not referenced by any RolloutPool's spec.harnessRef")
 
-    if not runs:
-        errors.append(
-            f"{path}: no TrainingRun document; a spec file holds a TrainingRun, the RolloutPool its "
-            "spec.rolloutPoolRef names and the HarnessSpec that pool's spec.harnessRef names"
-        )
-    elif run is not None and run not in runs:
-        errors.append(f'{path}: no TrainingRun "{run}" (TrainingRuns here: {_names(runs.values())})')
-    elif run is None and len(runs) > 1:
-        errors.append(f"{path}: {len(runs)} TrainingRuns ({_names(runs.values())}); choose one by name")
+    errors += _choice_errors(path, runs, run)
     if errors:
         raise SpecError(errors)
 
