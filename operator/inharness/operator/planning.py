@@ -165,15 +165,60 @@ def is_finished(current: Mapping[str, Any], observed: Observed) -> bool:
     return step >= observed.total_steps or trainer_failure(current, observed) is not None
 
 
+def _failed(o: Observed, failure: str | None) -> dict[str, Any]:
+    if o.invalid is not None:
+        return cond.condition("Failed", True, "InvalidSpec", o.invalid)
+    if failure is not None:
+        return cond.condition("Failed", True, "TrainerFailed", failure)
+    return cond.condition("Failed", False, "NoFailure")
+
+
+def _degraded(o: Observed) -> dict[str, Any]:
+    stuck = _stuck(o.gateway)
+    if o.problem is not None:
+        return cond.condition("Degraded", True, *o.problem)
+    if stuck is not None and not o.suspended:
+        return cond.condition("Degraded", True, "GatewayRolloutStuck", stuck)
+    return cond.condition("Degraded", False, "AsExpected")
+
+
+def _ready(o: Observed, phase: str, gateway_ok: bool, trainer_ok: bool) -> dict[str, Any]:
+    if o.suspended:
+        return cond.condition("Ready", False, "Suspended", "spec.suspend is true: scaled to zero")
+    if o.problem is not None:
+        return cond.condition("Ready", False, o.problem[0], o.problem[1])
+    if not gateway_ok:
+        return cond.condition(
+            "Ready", False, "GatewayNotReady", "the gateway Deployment has no available pod"
+        )
+    if not trainer_ok and phase not in ("Complete", "Failed"):
+        return cond.condition("Ready", False, "TrainerNotReady", "the trainer StatefulSet has no ready pod")
+    return cond.condition("Ready", True, "Available", "gateway and trainer are up")
+
+
+def _progressing(o: Observed, phase: str, gateway_ok: bool, at: str) -> dict[str, Any]:
+    if phase in ("Failed", "Complete", "Suspended"):
+        return cond.condition("Progressing", False, phase, at)
+    if o.problem is not None:
+        return cond.condition("Progressing", False, o.problem[0], o.problem[1])
+    if gateway_ok and o.progress_error is not None:
+        return cond.condition(
+            "Progressing", True, "GatewayUnreachable", f"progress not readable: {o.progress_error}"
+        )
+    if o.progress is not None and o.progress.reported:
+        return cond.condition("Progressing", True, "Training", at)
+    return cond.condition("Progressing", True, "Starting", "waiting for the gateway and trainer")
+
+
 def compute_status(current: Mapping[str, Any], observed: Observed, now: str) -> dict[str, Any]:
-    """The whole status of a run from what one reconcile saw; `current` is the status before it."""
+    """The whole status of a run from what one reconcile saw; `current` is the status before it.
+    The phase is decided first; each condition then has its own function, in KubeRay's manner."""
     o = observed
     fields = progress_fields(current, o.progress)
     step, total = fields["step"], o.total_steps
     failure = o.invalid or trainer_failure(current, o)
     complete = failure is None and step >= total
     gateway_ok, trainer_ok = gateway_available(o.gateway), _trainer_ready(o.trainer)
-    stuck = _stuck(o.gateway)
 
     if failure is not None:
         phase = "Failed"
@@ -186,55 +231,14 @@ def compute_status(current: Mapping[str, Any], observed: Observed, now: str) -> 
     else:
         phase = "Pending"
 
-    if o.invalid is not None:
-        failed = cond.condition("Failed", True, "InvalidSpec", o.invalid)
-    elif failure is not None:
-        failed = cond.condition("Failed", True, "TrainerFailed", failure)
-    else:
-        failed = cond.condition("Failed", False, "NoFailure")
-
-    if o.problem is not None:
-        degraded = cond.condition("Degraded", True, *o.problem)
-    elif stuck is not None and not o.suspended:
-        degraded = cond.condition("Degraded", True, "GatewayRolloutStuck", stuck)
-    else:
-        degraded = cond.condition("Degraded", False, "AsExpected")
-
-    if o.suspended:
-        ready = cond.condition("Ready", False, "Suspended", "spec.suspend is true: scaled to zero")
-    elif o.problem is not None:
-        ready = cond.condition("Ready", False, o.problem[0], o.problem[1])
-    elif not gateway_ok:
-        ready = cond.condition(
-            "Ready", False, "GatewayNotReady", "the gateway Deployment has no available pod"
-        )
-    elif not trainer_ok and phase not in ("Complete", "Failed"):
-        ready = cond.condition("Ready", False, "TrainerNotReady", "the trainer StatefulSet has no ready pod")
-    else:
-        ready = cond.condition("Ready", True, "Available", "gateway and trainer are up")
-
-    if phase in ("Failed", "Complete", "Suspended"):
-        progressing = cond.condition("Progressing", False, phase, f"step {step}/{total}")
-    elif o.problem is not None:
-        progressing = cond.condition("Progressing", False, o.problem[0], o.problem[1])
-    elif gateway_ok and o.progress_error is not None:
-        progressing = cond.condition(
-            "Progressing", True, "GatewayUnreachable", f"progress not readable: {o.progress_error}"
-        )
-    elif o.progress is not None and o.progress.reported:
-        progressing = cond.condition("Progressing", True, "Training", f"step {step}/{total}")
-    else:
-        progressing = cond.condition("Progressing", True, "Starting", "waiting for the gateway and trainer")
-
+    at = f"step {step}/{total}"
     wanted = [
-        ready,
-        progressing,
-        degraded,
+        _ready(o, phase, gateway_ok, trainer_ok),
+        _progressing(o, phase, gateway_ok, at),
+        _degraded(o),
         cond.condition("Suspended", o.suspended, "SuspendRequested" if o.suspended else "NotSuspended"),
-        cond.condition(
-            "Complete", complete, "StepsDone" if complete else "StepsRemaining", f"step {step}/{total}"
-        ),
-        failed,
+        cond.condition("Complete", complete, "StepsDone" if complete else "StepsRemaining", at),
+        _failed(o, failure),
     ]
     start = current.get("startTime") or (now if phase == "Running" or step > 0 else None)
     finished_at = (current.get("completionTime") or now) if phase in ("Complete", "Failed") else None

@@ -26,12 +26,20 @@ from typing import Any, Literal
 
 from inharness.gateway.client import GatewayClient
 from inharness.gateway.schema import ClaimedAttempt
-from inharness.operator.rollouts import Abort, ClaimingController, OnFinish, Outage, Outcome, RunnerFault
+from inharness.operator.render.harness import KEY_PLACEHOLDER
+from inharness.operator.rollouts.base import Abort, ClaimingController, OnFinish, Outage, RunnerFault
+from inharness.operator.rollouts.outcome import NoReward, Outcome, parse_result
 from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
 from inharness.procs import die_with_parent
 
-KEY_PLACEHOLDER = "inharness-key-is-in-the-url"
-"""API key handed to a harness with keyIn=path: many clients refuse to start without one."""
+__all__ = [
+    "KEY_PLACEHOLDER",
+    "LocalRolloutController",
+    "NoReward",
+    "Zygote",
+    "parse_result",
+    "preload_refusal",
+]
 
 STDERR_TAIL_BYTES = 2048
 MAX_RESULT_BYTES = 1 << 20
@@ -48,14 +56,6 @@ class _NoReward(_Failed):
     def __init__(self, reason: str, rest: dict[str, Any] | None = None) -> None:
         super().__init__(reason)
         self.rest = rest or {}
-
-
-class NoReward(ValueError):
-    """Result JSON that is an object without a 'reward' key; `rest`: its other keys."""
-
-    def __init__(self, message: str, rest: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.rest = rest
 
 
 @dataclass(frozen=True)
@@ -117,12 +117,9 @@ class LocalRolloutController(ClaimingController):
             else:
                 self.log(f"pool {pool_name}: spec.local.preload not used: {refusal}")
 
-    async def run(self, stop: asyncio.Event) -> None:
-        try:
-            await super().run(stop)
-        finally:
-            if self._zygote is not None:
-                await self._zygote.close()
+    async def end(self) -> None:
+        if self._zygote is not None:
+            await self._zygote.close()
 
     def logs_of(self, attempt_id: str) -> str:
         adir = self.work_dir / attempt_id
@@ -572,20 +569,3 @@ def _read_result(path: Path, who: str) -> tuple[float, dict[str, Any]]:
         raise _NoReward(str(exc), exc.rest) from None
     except ValueError as exc:
         raise _Failed(str(exc)) from None
-
-
-def parse_result(raw: bytes, who: str = "") -> tuple[float, dict[str, Any]]:
-    """(reward, the other keys) of result JSON like {"reward": 1.0}, or ValueError saying what is wrong
-    with it. The one set of rules for every backend: a pod's result comes from its termination message."""
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{who}result file is not valid JSON: {exc}") from None
-    if isinstance(data, dict) and "reward" not in data:
-        raise NoReward(f"{who}result has no numeric 'reward'", data)
-    reward = data.get("reward") if isinstance(data, dict) else None
-    if isinstance(reward, bool) or not isinstance(reward, int | float):
-        raise ValueError(f"{who}result has no numeric 'reward'")
-    if not math.isfinite(reward):
-        raise ValueError(f"{who}result 'reward' is not finite: {reward}")
-    return float(reward), {k: v for k, v in data.items() if k != "reward"}
