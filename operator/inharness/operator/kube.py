@@ -151,7 +151,7 @@ class KubeClient:
     ) -> None:
         """`server` (and `token`) for fixed credentials, or `login` for ones that are loaded and renewed."""
         if (server is None) == (login is None):
-            raise ValueError("KubeClient needs a server URL or a login, not both")
+            raise ValueError("KubeClient takes a server URL or a login, one of them")
         self.credentials: Credentials | None = None  # until the first request logs in
         if server is not None:
             self.credentials = Credentials(server.rstrip("/"), f"Bearer {token}" if token else None)
@@ -160,7 +160,7 @@ class KubeClient:
         self._renew_seconds = renew_seconds
         self._renewed_at = time.monotonic()
         self._auth_lock = asyncio.Lock()
-        self._ssl: dict[tuple[str | None, str | None, str | None, bool], ssl.SSLContext | bool] = {}
+        self._ssl: tuple[tuple[object, ...], ssl.SSLContext | bool] | None = None  # for the last credentials
         self._bucket = _TokenBucket(qps, burst)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 10.0))
         self._session: aiohttp.ClientSession | None = None
@@ -210,16 +210,15 @@ class KubeClient:
         return True
 
     def _ssl_for(self, c: Credentials) -> ssl.SSLContext | bool:
-        key = (c.ca_file, c.cert_file, c.key_file, c.insecure)
-        if key not in self._ssl:
-            if c.insecure or not c.server.startswith("https"):
-                self._ssl[key] = False
-            else:
+        key = (c.server, c.ca_file, c.cert_file, c.key_file, c.insecure)
+        if self._ssl is None or self._ssl[0] != key:
+            context: ssl.SSLContext | bool = False
+            if not c.insecure and c.server.startswith("https"):
                 context = ssl.create_default_context(cafile=c.ca_file)
                 if c.cert_file:
                     context.load_cert_chain(c.cert_file, c.key_file)
-                self._ssl[key] = context
-        return self._ssl[key]
+            self._ssl = (key, context)
+        return self._ssl[1]
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -251,14 +250,13 @@ class KubeClient:
             await self._bucket.take()
             self.requests[verb] += 1
             c = await self._credentials()
-            if c.authorization:
-                headers["Authorization"] = c.authorization
+            authorization = {"Authorization": c.authorization} if c.authorization else {}
             async with self._session_for_loop().request(
                 method,
                 c.server + path,
                 params=params,
                 data=data,
-                headers=headers,
+                headers=headers | authorization,
                 ssl=self._ssl_for(c),
                 server_hostname=c.tls_server_name,
                 timeout=client_timeout or self._timeout,
@@ -406,7 +404,8 @@ def login_from_environment() -> Credentials:
 
 
 def _load_kubeconfig(configuration: Configuration, not_in_pod: ConfigException) -> None:
-    paths = os.environ.get("KUBECONFIG") or "~/.kube/config"  # now: the package reads it once, when imported
+    # Read at each login: the package's own default is KUBECONFIG as it was when the package was imported.
+    paths = os.environ.get("KUBECONFIG") or "~/.kube/config"
     try:
         merged = KubeConfigMerger(paths)
         if merged.config is None:
