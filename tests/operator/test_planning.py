@@ -258,9 +258,12 @@ def test_a_stuck_gateway_rollout_is_degraded() -> None:
     assert c["Degraded"] == ("True", "GatewayRolloutStuck")
 
 
-def test_an_invalid_spec_fails_with_the_field() -> None:
+def test_an_invalid_spec_fails_with_the_field_and_every_condition_names_it() -> None:
     status = compute_status({}, observed(invalid="spec.steps: must be at least 1"), T0)
-    assert status["phase"] == "Failed" and conditions_of(status)["Failed"] == ("True", "InvalidSpec")
+    c = conditions_of(status)
+    assert status["phase"] == "Failed" and c["Failed"] == ("True", "InvalidSpec")
+    assert c["Ready"] == ("False", "InvalidSpec"), "not a missing gateway pod: none was created"
+    assert c["Progressing"] == ("False", "Failed")
 
 
 def test_every_computed_status_fits_the_status_model() -> None:

@@ -183,6 +183,8 @@ def _degraded(o: Observed) -> dict[str, Any]:
 
 
 def _ready(o: Observed, phase: str, gateway_ok: bool, trainer_ok: bool) -> dict[str, Any]:
+    if o.invalid is not None:
+        return cond.condition("Ready", False, "InvalidSpec", "no children are created for an invalid spec")
     if o.suspended:
         return cond.condition("Ready", False, "Suspended", "spec.suspend is true: scaled to zero")
     if o.problem is not None:
