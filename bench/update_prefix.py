@@ -29,7 +29,7 @@ from inharness.trainer.torch_engine import TorchTrainingEngine, UpdateConfig
 
 PREFIX = 218
 VOCAB = 3000  # below the tiny tokenizer's special and markup ids
-CONFIG = UpdateConfig(mini_batches=2, epochs=4, loss_normalization="rollout", clip_high=0.28)
+CONFIG = UpdateConfig(ppo_mini_batches=2, ppo_epochs=4, loss_normalization="rollout", clip_ratio_high=0.28)
 SHARED = torch_engine._MIN_SHARED_TOKENS
 OFF = 10**9
 
@@ -85,8 +85,8 @@ def main() -> None:
         print(
             f"{len(samples)} samples: {PREFIX}-token shared prefix, lengths {min(lengths)}-{max(lengths)}"
             f" (mean {statistics.mean(lengths):.0f}), generated tokens {min(generated)}-{max(generated)}"
-            f" (mean {statistics.mean(generated):.0f}); {CONFIG.mini_batches} mini-batches x"
-            f" {CONFIG.epochs} epochs; {args.threads} thread(s)"
+            f" (mean {statistics.mean(generated):.0f}); {CONFIG.ppo_mini_batches} mini-batches x"
+            f" {CONFIG.ppo_epochs} epochs; {args.threads} thread(s)"
         )
 
         # Same weights, same samples: the first update of each must agree (sharing is exact).

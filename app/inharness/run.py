@@ -225,6 +225,8 @@ class _LocalRun:
         """Start the children, train until the last step or a stop, and stop everything again."""
         from inharness.gateway.client import GatewayClient, GatewayError
 
+        # Harness commands such as `python harness.py` resolve to this environment's interpreter first.
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         engine, gateway, supervisor, admin = self._children(lock)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -390,16 +390,16 @@ def test_load_weights_swaps_the_served_model_and_back(
     other = init_tiny(tmp_path_factory.mktemp("tiny-other") / "tiny", seed=1)
     body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
     before = complete(engine, **body)["choices"][0]["token_ids"]
-    r = httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": str(other)}, timeout=60)
+    r = httpx.post(f"{engine.url}/v1/inharness/load_weights", json={"path": str(other)}, timeout=60)
     assert r.status_code == 200 and r.json()["loaded"] == str(other)
     swapped = complete(engine, **body)["choices"][0]
     expected = AutoModelForCausalLM.from_pretrained(other).eval()
     logits = expected(torch.tensor([PROMPT])).logits[0, -1]
     assert swapped["token_ids"][0] == int(torch.argmax(logits)) and swapped["token_ids"] != before
-    r = httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": str(tiny_model_dir)}, timeout=60)
+    r = httpx.post(f"{engine.url}/v1/inharness/load_weights", json={"path": str(tiny_model_dir)}, timeout=60)
     assert r.status_code == 200
     assert complete(engine, **body)["choices"][0]["token_ids"] == before
-    bad = httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": "/nonexistent"}, timeout=60)
+    bad = httpx.post(f"{engine.url}/v1/inharness/load_weights", json={"path": "/nonexistent"}, timeout=60)
     assert bad.status_code == 400 and "cannot load weights" in bad.json()["error"]["message"]
     assert complete(engine, **body)["choices"][0]["token_ids"] == before
 
@@ -420,7 +420,7 @@ def test_prefix_cache_over_http_and_cleared_by_load_weights(
 
     other = init_tiny(tmp_path_factory.mktemp("tiny-other") / "tiny", seed=2)
     try:
-        r = httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": str(other)}, timeout=60)
+        r = httpx.post(f"{engine.url}/v1/inharness/load_weights", json={"path": str(other)}, timeout=60)
         assert r.status_code == 200
         before = stats.cached_tokens
         swapped = complete(engine, prompt=prompt, **body)["choices"][0]
@@ -432,7 +432,7 @@ def test_prefix_cache_over_http_and_cleared_by_load_weights(
         fresh = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(swapped["token_ids"])]
         assert swapped["logprobs"]["token_logprobs"] == pytest.approx(fresh, abs=1e-4)
     finally:
-        httpx.post(f"{engine.url}/inharness/v1/load_weights", json={"path": str(tiny_model_dir)}, timeout=60)
+        httpx.post(f"{engine.url}/v1/inharness/load_weights", json={"path": str(tiny_model_dir)}, timeout=60)
 
 
 def concurrently(*calls: Any) -> list[Any]:

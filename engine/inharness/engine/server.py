@@ -70,7 +70,7 @@ class CompletionRequest(BaseModel):
 
 
 class LoadWeights(BaseModel):
-    """``POST /inharness/v1/load_weights``: replace the served weights by those saved in ``path``."""
+    """``POST /v1/inharness/load_weights``: replace the served weights by those saved in ``path``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -439,7 +439,7 @@ def create_app(
             ],
         }
 
-    @app.post("/inharness/v1/load_weights")
+    @app.post("/v1/inharness/load_weights")
     async def load_weights(req: LoadWeights) -> dict[str, Any]:
         """Swap in new weights (same architecture and tokenizer). Requests already generating finish
         on the weights they started with, later ones wait for them and then run on the new weights with

@@ -17,6 +17,7 @@ the trainer's list of allowed values, checked against the spec's by tests/traine
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -68,18 +69,16 @@ class AdvantageEstimatorFn(Protocol):
 
 
 class AdvantageLevelFn(Protocol):
-    """rollout rewards ``[R]``, rollout group ids ``[R]``, each sample's rollout ``[B]`` and the estimator's
-    name -> one advantage per sample ``[B]``."""
+    """rollout rewards ``[R]``, rollout group ids ``[R]``, each sample's rollout ``[B]`` (in ``0..R-1``) and
+    ``estimate`` (rewards ``[N]``, group ids ``[N]`` -> advantages ``[N]``: `rollout_advantages` with the
+    chosen estimator) -> one advantage per sample ``[B]``."""
 
     def __call__(
         self,
         rollout_rewards: Tensor,
         rollout_group_index: Tensor,
         sample_rollout_index: Tensor,
-        estimator: str = ...,
-        *,
-        norm_by_std: bool = ...,
-        eps: float = ...,
+        estimate: Callable[[Tensor, Tensor], Tensor],
     ) -> Tensor: ...
 
 
@@ -189,24 +188,28 @@ def rollout_advantages(
 
 
 @register_advantage_level("rollout")
-def rollout_level_advantages(
+def rollout_level(
     rollout_rewards: Tensor,
     rollout_group_index: Tensor,
     sample_rollout_index: Tensor,
-    estimator: str = "grpo",
-    *,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
+    estimate: Callable[[Tensor, Tensor], Tensor],
 ) -> Tensor:
-    """One advantage per rollout (`rollout_advantages` over ``[R]``), taken by each of its samples:
-    ``[B]``. rollout_rewards, rollout_group_index: ``[R]``; sample_rollout_index: ``[B]`` in ``0..R-1``."""
-    per_rollout = rollout_advantages(
-        rollout_rewards, rollout_group_index, estimator, norm_by_std=norm_by_std, eps=eps
-    )
-    return per_rollout[sample_rollout_index]
+    """One advantage per rollout (``estimate`` over ``[R]``), taken by each of its samples: ``[B]``."""
+    return estimate(rollout_rewards, rollout_group_index)[sample_rollout_index]
 
 
 @register_advantage_level("sample")
+def sample_level(
+    rollout_rewards: Tensor,
+    rollout_group_index: Tensor,
+    sample_rollout_index: Tensor,
+    estimate: Callable[[Tensor, Tensor], Tensor],
+) -> Tensor:
+    """Every sample is its own unit with its rollout's reward, normalised over the samples of its group
+    (a rollout split into 3 samples counts 3 times in its group's mean): ``[B]``."""
+    return estimate(rollout_rewards[sample_rollout_index], rollout_group_index[sample_rollout_index])
+
+
 def sample_advantages(
     rollout_rewards: Tensor,
     rollout_group_index: Tensor,
@@ -216,21 +219,15 @@ def sample_advantages(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> Tensor:
-    """Sample-level advantages: every sample is its own unit with its rollout's reward, normalised over
-    the samples of its group (a rollout split into 3 samples counts 3 times in its group's mean).
+    """Sample-level advantages (`sample_level`) by the registered ``estimator``.
 
     rollout_rewards, rollout_group_index: ``[R]``; sample_rollout_index: ``[B]`` long in ``0..R-1``.
     Returns ``[B]``.
     """
     _check_1d("rollout_group_index", rollout_group_index, rollout_rewards.shape[0])
     _check_1d("sample_rollout_index", sample_rollout_index)
-    return rollout_advantages(
-        rollout_rewards[sample_rollout_index],
-        rollout_group_index[sample_rollout_index],
-        estimator,
-        norm_by_std=norm_by_std,
-        eps=eps,
-    )
+    estimate = partial(rollout_advantages, estimator=estimator, norm_by_std=norm_by_std, eps=eps)
+    return sample_level(rollout_rewards, rollout_group_index, sample_rollout_index, estimate)
 
 
 def token_advantages(
@@ -245,19 +242,14 @@ def token_advantages(
     eps: float = 1e-6,
 ) -> Tensor:
     """Per-token advantages ``[B, T]`` for a padded batch: each sample's advantage on its generated
-    tokens, 0 elsewhere. ``level`` names the registered per-sample function (`rollout_level_advantages`,
-    `sample_advantages`). mask: ``[B, T]``.
+    tokens, 0 elsewhere. ``level`` names the registered per-sample function (`rollout_level`,
+    `sample_level`), ``estimator`` the registered estimator it uses. mask: ``[B, T]``.
     """
     per_level = ADVANTAGE_LEVELS.get(level)
+    _check_1d("rollout_group_index", rollout_group_index, rollout_rewards.shape[0])
     _check_1d("sample_rollout_index", sample_rollout_index, mask.shape[0])
-    per_sample = per_level(
-        rollout_rewards,
-        rollout_group_index,
-        sample_rollout_index,
-        estimator,
-        norm_by_std=norm_by_std,
-        eps=eps,
-    )
+    estimate = partial(rollout_advantages, estimator=estimator, norm_by_std=norm_by_std, eps=eps)
+    per_sample = per_level(rollout_rewards, rollout_group_index, sample_rollout_index, estimate)
     return per_sample[:, None] * mask.to(per_sample.dtype)
 
 

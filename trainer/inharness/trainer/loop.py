@@ -303,7 +303,7 @@ class TrainingLoop:
             try:
                 async with (
                     aiohttp.ClientSession() as session,
-                    session.post(f"{url}/inharness/v1/load_weights", json=load) as r,
+                    session.post(f"{url}/v1/inharness/load_weights", json=load) as r,
                 ):
                     if r.status != 200:
                         raise RuntimeError(
