@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-gateway ablation test lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e clean
+.PHONY: demo demo-gateway ablation test checkov lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -26,7 +26,22 @@ demo-gateway: $(STAMP)
 ablation: $(STAMP)
 	$(BIN)/python examples/calc/demo.py --ablation
 
-test: $(STAMP)
+# checkov, pinned, in an environment of its own (its dependencies are not the project's):
+# tests/manifests/test_checkov.py scans the rendered chart, overlays and operator objects with it.
+CHECKOV_VERSION := 3.3.30
+CHECKOV_VENV    := .cache/checkov
+CHECKOV_STAMP   := $(CHECKOV_VENV)/.installed-$(CHECKOV_VERSION)
+
+$(CHECKOV_STAMP):
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
+	rm -f $(CHECKOV_VENV)/.installed-*
+	test -d $(CHECKOV_VENV) || $(PY) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install -q checkov==$(CHECKOV_VERSION)
+	touch $@
+
+checkov: $(CHECKOV_STAMP)
+
+test: $(STAMP) $(CHECKOV_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
@@ -78,4 +93,4 @@ e2e:
 	TAG=$(TAG) tools/e2e.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .ruff_cache

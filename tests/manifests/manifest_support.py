@@ -23,6 +23,21 @@ K8S_VERSIONS = ("1.29", "1.35")
 
 Obj = dict[str, Any]
 
+# The chart's values variants every chart test renders (arguments to `helm template`), and the kustomize
+# folders under deploy/: what test_chart.py, test_deploy.py and test_checkov.py check.
+CHART_VARIANTS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "namespaced": (
+        "--set",
+        "rbac.namespaced=true",
+        "--set",
+        "watchNamespaces={team-a,team-b}",
+    ),
+    "service-monitor": ("--set", "serviceMonitor.enabled=true"),
+    "kind": ("-f", str(ROOT / "deploy" / "kind" / "values.yaml")),
+}
+OVERLAYS = ("deploy/base", "deploy/overlays/kind", "deploy/overlays/production")
+
 
 def need_binaries() -> None:
     missing = [p.name for p in (HELM, KUBECTL) if not p.exists()]

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from manifest_support import (
     CHART,
+    CHART_VARIANTS,
     HELM,
     K8S_VERSIONS,
     NAMESPACE,
@@ -31,17 +32,6 @@ from manifest_support import (
 from inharness.operator import render
 from inharness.operator.specfile import load_specs
 
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "namespaced": (
-        "--set",
-        "rbac.namespaced=true",
-        "--set",
-        "watchNamespaces={team-a,team-b}",
-    ),
-    "service-monitor": ("--set", "serviceMonitor.enabled=true"),
-    "kind": ("-f", str(ROOT / "deploy" / "kind" / "values.yaml")),
-}
 FULLNAME = f"{RELEASE}-inharness"
 EXAMPLE = ROOT / "examples" / "calc" / "trainingrun.yaml"
 SETTINGS = render.RenderSettings(gateway_image="gw:1", trainer_image="tr:1")
@@ -49,7 +39,7 @@ SETTINGS = render.RenderSettings(gateway_image="gw:1", trainer_image="tr:1")
 
 def rendered(variant: str, *extra: str) -> list[Obj]:
     """The chart's templates with a variant's values (the CRDs, the same for all, are checked apart)."""
-    return helm_template(*VARIANTS[variant], *extra)
+    return helm_template(*CHART_VARIANTS[variant], *extra)
 
 
 # --- chart metadata and lint -------------------------------------------------------------------------
@@ -63,10 +53,10 @@ def test_chart_claims_kubernetes_1_29_and_the_projects_version() -> None:
     assert chart["version"] == project_version()
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(CHART_VARIANTS))
 def test_helm_lint_strict_passes(variant: str) -> None:
     need_binaries()
-    out = run([HELM, "lint", "--strict", CHART, *VARIANTS[variant]])
+    out = run([HELM, "lint", "--strict", CHART, *CHART_VARIANTS[variant]])
     assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
 
 
@@ -85,7 +75,7 @@ def test_chart_ships_the_generated_crds() -> None:
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(CHART_VARIANTS))
 def test_every_rendered_object_is_valid_at_the_claimed_kubernetes_versions(
     variant: str, version: str
 ) -> None:
@@ -149,9 +139,11 @@ def test_operator_runs_one_replica_recreated_watching_every_namespace_by_default
     assert "--namespace" not in container["args"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"metrics": 8080, "healthz": 8081}
-    probe = container["livenessProbe"]["httpGet"]
-    assert (probe["path"], ports[probe["port"]]) == ("/healthz", 8081)
-    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    for kind in ("livenessProbe", "readinessProbe"):
+        probe = container[kind]["httpGet"]
+        assert (probe["path"], ports[probe["port"]]) == ("/healthz", 8081), kind
+    resources = container["resources"]
+    assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
 
 
 def test_operator_gets_the_children_settings_as_the_env_vars_it_reads() -> None:
@@ -278,7 +270,7 @@ def restricted_violations(where: str, pod: Obj) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(CHART_VARIANTS))
 def test_every_pod_template_is_restricted_with_a_read_only_root(variant: str) -> None:
     templates = pod_templates(rendered(variant))
     assert templates, "no pod template rendered"

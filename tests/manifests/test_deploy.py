@@ -10,6 +10,7 @@ from manifest_support import (
     CHART,
     HELM,
     K8S_VERSIONS,
+    OVERLAYS,
     ROOT,
     Obj,
     docs,
@@ -23,7 +24,6 @@ from manifest_support import (
     validate_all,
 )
 
-OVERLAYS = ("deploy/base", "deploy/overlays/kind", "deploy/overlays/production")
 KIND_IMAGE = "ghcr.io/inharness/calc-harness:dev"
 
 
