@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import ADMIN
+from gwhelpers import serve
 from testsupport import Server, eventually, gateway_server
 
 from inharness.gateway.client import GatewayClient, GatewayError
@@ -30,10 +31,7 @@ def served(
     engine: Server, tool_model: Path, tmp_path_factory: pytest.TempPathFactory, log_dir: Path
 ) -> Iterator[Server]:
     """A gateway in front of a real engine, for the tests that make model calls."""
-    db = tmp_path_factory.mktemp("attempt-api-served") / "gateway.db"
-    server = gateway_server(tool_model, [engine.url], db, log_dir, admin_token=ADMIN).start()
-    yield server
-    server.stop()
+    yield from serve(engine, tool_model, tmp_path_factory, log_dir)
 
 
 async def claimed(gw: GatewayClient, pool: str, lease_seconds: float = 600) -> ClaimedAttempt:

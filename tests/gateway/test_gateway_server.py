@@ -4,7 +4,6 @@
 import json
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,62 +11,18 @@ import httpx
 import openai
 import pytest
 from conftest import ADMIN, TOOL_ARGS
+from gwhelpers import (
+    FIRST_TURN,
+    admin,
+    calls_of,
+    gateway_fixture,  # noqa: F401 (the `gateway` fixture)
+    harness_client,
+    new_attempt,
+    run_conversation,
+)
 from testsupport import Server, free_port, gateway_server
 
-from inharness.demo import CALC_TOOL, FINAL, QUESTION, SYSTEM
-
-
-@pytest.fixture(scope="module")
-def gateway(
-    engine: Server, tool_model: Path, tmp_path_factory: pytest.TempPathFactory, log_dir: Path
-) -> Iterator[Server]:
-    db = tmp_path_factory.mktemp("gw") / "gateway.db"
-    server = gateway_server(tool_model, [engine.url], db, log_dir, admin_token=ADMIN).start()
-    yield server
-    server.stop()
-
-
-def admin(gw: Server) -> httpx.Client:
-    return httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
-
-
-def new_attempt(
-    gw: Server, *, lease: float = 600, max_attempts: int | None = None, pool: str = "default"
-) -> dict[str, Any]:
-    with admin(gw) as c:
-        body: dict[str, Any] = {"tasks": [{"question": QUESTION}], "pool": pool}
-        if max_attempts:
-            body["max_attempts"] = max_attempts
-        assert c.post("/api/v1/rollouts", json=body).status_code == 201
-        r = c.post("/api/v1/attempts/claim", json={"pool": pool, "lease_seconds": lease})
-        assert r.status_code == 200, r.text
-        return r.json()["attempt"]
-
-
-def calls_of(gw: Server, attempt_id: str) -> list[dict[str, Any]]:
-    with admin(gw) as c:
-        r = c.get(f"/api/v1/attempts/{attempt_id}/calls")
-        assert r.status_code == 200, r.text
-        return r.json()["calls"]
-
-
-def harness_client(gw: Server, token: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=token, max_retries=0, timeout=60)
-
-
-FIRST_TURN = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
-
-
-def run_conversation(client: openai.OpenAI, model: str = "gpt-4o-whatever") -> list[Any]:
-    """The harness loop: ask, run the tool it asked for, ask again."""
-    messages: list[Any] = list(FIRST_TURN)
-    first = client.chat.completions.create(model=model, messages=messages, tools=[CALC_TOOL], temperature=0)
-    msg = first.choices[0].message
-    messages.append(msg.model_dump(exclude_none=True))
-    for call in msg.tool_calls or []:
-        messages.append({"role": "tool", "tool_call_id": call.id, "content": "5"})
-    second = client.chat.completions.create(model=model, messages=messages, tools=[CALC_TOOL], temperature=0)
-    return [first, second]
+from inharness.demo import CALC_TOOL, FINAL
 
 
 def test_multi_turn_tool_conversation_is_recorded_prefix_exact(gateway: Server) -> None:

@@ -274,3 +274,29 @@ async def test_hold_takes_more_ids_than_one_statement_binds(store: Store) -> Non
     assert await store.hold(ids) == 1200
     assert await store.claim("default", 60) is None
     assert await store.unhold(ids) == 1200 and await store.count_rollouts("queued") == 1200
+
+
+async def test_a_store_made_before_the_notes_column_gains_it(tmp_path: Path) -> None:
+    import sqlite3
+
+    from sqlalchemy import create_engine
+
+    from inharness.gateway.store.tables import metadata
+
+    db = tmp_path / "old.db"
+    engine = create_engine(f"sqlite:///{db}")
+    metadata.create_all(engine)
+    engine.dispose()
+    with sqlite3.connect(db) as conn:  # the calls table as the first stores had it
+        conn.execute("ALTER TABLE calls DROP COLUMN notes")
+    store = await Store.open(f"sqlite:///{db}")
+    try:
+        await store.create_rollouts(schema.CreateRollouts(tasks=["a"]), default_max_attempts=1)
+        attempt = await store.claim("default", 60)
+        assert attempt is not None
+        noted = _record(attempt, 1)
+        noted.notes = ["tools[1] of type 'web_search' is left out of the prompt"]
+        await store.record_calls([_record(attempt, 0), noted])
+        assert [c.notes for c in await store.list_calls(attempt.id)] == [[], noted.notes]
+    finally:
+        await store.close()

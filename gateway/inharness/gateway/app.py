@@ -22,7 +22,7 @@ from inharness.gateway.errors import APIError, api_error_handler, http_error_han
 from inharness.gateway.metrics import GatewayMetrics
 from inharness.gateway.progress import ProgressBoard
 from inharness.gateway.prompts import PromptBuilder
-from inharness.gateway.protocols import harness_api, openai_chat
+from inharness.gateway.protocols import anthropic_messages, harness_api, openai_chat, openai_responses
 from inharness.gateway.serving import ServingGate
 from inharness.gateway.settings import GatewaySettings
 from inharness.gateway.store import Store
@@ -121,8 +121,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    app.include_router(openai_chat.router)
-    app.include_router(openai_chat.router, prefix="/t/{token}")
+    for router in (openai_chat.router, openai_responses.router, anthropic_messages.router):
+        app.include_router(router)
+        app.include_router(router, prefix="/t/{token}")
     app.include_router(harness_api.router)
     app.include_router(harness_api.router, prefix="/t/{token}")
     app.include_router(control.router)

@@ -43,14 +43,16 @@ class TextDecoder:
         self._ids: list[int] = []
         self._sent = 0
         self.stopped = False
+        self.stopped_by: str | None = None  # the stop string that cut the text
 
     def feed(self, ids: list[int]) -> str:
         if self.stopped:
             return ""
         self._ids.extend(ids)
         text = self._tok.decode(self._ids, skip_special_tokens=True)
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stop if (i := text.find(s)) >= 0]
+        if found:
+            cut, self.stopped_by = min(found)
             self.stopped = True
             return self._take(text[:cut], len(text[:cut]))
         safe = len(text) - self._hold
@@ -95,7 +97,8 @@ class CallContext:
     protocol: str
     requested_model: str
     request_body: dict[str, Any]
-    request_id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
+    request_id: str
+    notes: tuple[str, ...] = ()
     started_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     served: Served | None = None
@@ -178,6 +181,7 @@ class CallContext:
                 finished_at=now,
                 request_body=self.request_body,
                 response_body=response_body,
+                notes=self.notes,
             )
             for o, reply in zip(outputs, replies, strict=True)
         ]
@@ -231,7 +235,7 @@ class CallService:
         if not token:
             raise APIError(
                 401,
-                "missing API key: send the attempt's key as 'Authorization: Bearer <key>'",
+                "missing API key: send the attempt's key as 'Authorization: Bearer <key>' (or 'x-api-key')",
                 code="invalid_api_key",
             )
         cached = self._auth.get(token)
@@ -270,7 +274,12 @@ class CallService:
         protocol: str,
         requested_model: str,
         request_body: dict[str, Any],
+        id_prefix: str = "chatcmpl-",
+        notes: tuple[str, ...] = (),
     ) -> AsyncIterator[CallContext]:
+        """Admit a call (waiting out a serving pause), build its prompt and check that it fits.
+        `id_prefix` starts the protocol's id of the answer (also the recorded request id); `notes`
+        say what of the request the prompt leaves out, and are recorded with the call."""
         async with self.gate.admit():
             if self.pool.active is None:
                 raise APIError(503, "no model version is active on this gateway", code="no_active_model")
@@ -297,6 +306,8 @@ class CallService:
                 protocol=protocol,
                 requested_model=requested_model,
                 request_body=request_body,
+                request_id=id_prefix + uuid.uuid4().hex,
+                notes=notes,
             )
 
     def engine_error(self, exc: NoEngineAvailable | EngineRejected) -> APIError:

@@ -10,7 +10,10 @@ ignore what it does not (tool-call ids, SDK extras), so an SDK's echo of the rep
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
+
+from jsonschema import Draft202012Validator, SchemaError
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +56,7 @@ class Message:
 @dataclass(frozen=True, slots=True)
 class Conversation:
     messages: tuple[Message, ...]
-    tools: tuple[dict[str, Any], ...] = field(default=())  # OpenAI-style tool definitions
+    tools: tuple[dict[str, Any], ...] = field(default=())  # `function_tool` definitions
 
     def template_messages(self, upto: int | None = None) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages[:upto]]
@@ -64,6 +67,40 @@ class Conversation:
         for m in self.messages:
             chain.append(_digest(chain[-1], m.canonical()))
         return chain
+
+
+def function_tool(
+    name: str, description: str | None, parameters: dict[str, Any] | None, strict: bool | None = None
+) -> dict[str, Any]:
+    """A tool the model may call, as the chat template renders it (OpenAI Chat's tool object): every
+    protocol's tool definitions become this, so the same tools render the same prompt."""
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    if parameters is not None:
+        function["parameters"] = parameters
+    if strict is not None:
+        function["strict"] = strict
+    return {"type": "function", "function": function}
+
+
+def parameters_problem(schema: dict[str, Any]) -> str | None:
+    """Why a tool's parameters schema is not usable, or None."""
+    return _schema_problem(json.dumps(schema, sort_keys=True))
+
+
+@lru_cache(maxsize=1024)
+def _schema_problem(schema_json: str) -> str | None:
+    """Cached, since harnesses send the same tools with every call and checking a schema costs far
+    more than the rest of the request."""
+    schema = json.loads(schema_json)
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        return f"parameters is not a valid JSON Schema: {exc.message}"
+    if schema.get("type", "object") != "object":
+        return "parameters must be a JSON Schema of type 'object'"
+    return None
 
 
 def extend_digest(chain_tip: str, reply: Message) -> str:

@@ -166,7 +166,7 @@ class CallOut(BaseModel):
     rollout_id: str
     request_id: str
     choice_index: int
-    protocol: str
+    protocol: str = Field(description="openai.chat, openai.responses or anthropic.messages")
     requested_model: str
     model_version: int
     engine: str
@@ -184,6 +184,10 @@ class CallOut(BaseModel):
     finished_at: float
     request: dict[str, Any] | None = None
     response: dict[str, Any] | None = None
+    notes: list[str] = Field(
+        default_factory=list,
+        description="what of the request the prompt left out, and why (a tool type the model cannot run)",
+    )
 
 
 class CallsResponse(BaseModel):

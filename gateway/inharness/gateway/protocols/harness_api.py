@@ -12,7 +12,7 @@ from starlette.responses import Response
 from inharness.gateway import schema
 from inharness.gateway.calls import CallService
 from inharness.gateway.errors import APIError
-from inharness.gateway.protocols.openai_chat import attempt_key
+from inharness.gateway.protocols.common import attempt_key
 from inharness.gateway.store import Conflict, NotFound
 
 router = APIRouter()

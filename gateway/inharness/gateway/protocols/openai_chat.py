@@ -4,32 +4,23 @@ Mounted twice: at `/v1/...` with the attempt's key in `Authorization: Bearer`, a
 `/t/{key}/v1/...` for harnesses that can set a base URL but not a key.
 """
 
-import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
-from inharness.gateway.calls import CallContext, CallService, Output, Sampling, TextDecoder
+from inharness.gateway.calls import CallContext, CallService, Output, Sampling
 from inharness.gateway.conversation import Conversation, FunctionCall, Message
 from inharness.gateway.errors import APIError, error_body
+from inharness.gateway.protocols.common import CallRequest, ChoiceStream, Chunks, answer, decode, sse
 from inharness.gateway.protocols.openai_models import ChatCompletionRequest
-from inharness.gateway.toolcalls import ContentDelta, Event, ToolCall, ToolCallParser, parse_all
+from inharness.gateway.store import AttemptAuth
+from inharness.gateway.toolcalls import ContentDelta, ToolCall
 
 PROTOCOL = "openai.chat"
 router = APIRouter()
-
-
-def attempt_key(request: Request) -> str | None:
-    """The attempt's key: from the `/t/{key}` prefix, else `Authorization: Bearer`."""
-    if "token" in request.path_params:
-        return request.path_params["token"]
-    header = request.headers.get("authorization", "")
-    scheme, _, value = header.partition(" ")
-    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
 def to_conversation(req: ChatCompletionRequest) -> Conversation:
@@ -58,10 +49,6 @@ def to_sampling(req: ChatCompletionRequest) -> Sampling:
         n=req.n,
         stop=tuple(req.stop_list()),
     )
-
-
-def _reply(content: str | None, calls: list[ToolCall]) -> Message:
-    return Message("assistant", content or "", tuple(FunctionCall(c.name, c.arguments) for c in calls))
 
 
 def _tool_call_json(index: int | None, c: ToolCall) -> dict[str, Any]:
@@ -107,43 +94,20 @@ async def list_models(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, req: ChatCompletionRequest) -> Response:
     svc: CallService = request.app.state.calls
-    metrics = svc.metrics
-    started = time.perf_counter()
-    status = "error"
-    try:
-        auth = await svc.authenticate(attempt_key(request))
-        conv = to_conversation(req)
-        opened = svc.call(
-            auth,
-            conv,
-            to_sampling(req),
-            protocol=PROTOCOL,
-            requested_model=req.model,
-            request_body=req.model_dump(mode="json", exclude_none=True),
-        )
-        if req.stream:
-            stack = AsyncExitStack()
-            try:
-                ctx = await stack.enter_async_context(opened)
-                chunks = await ctx.open_stream()
-            except BaseException:
-                await stack.aclose()
-                raise
-            status = "ok"
-            return StreamingResponse(
-                _stream(svc, ctx, req, chunks, stack, started), media_type="text/event-stream"
-            )
-        async with opened as ctx:
-            body = await _complete(svc, ctx, req)
-        status = "ok"
-        return Response(orjson.dumps(body), media_type="application/json")
-    except APIError as exc:
-        status = str(exc.status)
-        raise
-    finally:
-        metrics.requests.labels(PROTOCOL, status).inc()
-        if not req.stream:
-            metrics.latency.labels(PROTOCOL).observe(time.perf_counter() - started)
+
+    async def build(_auth: AttemptAuth) -> CallRequest:
+        body = req.model_dump(mode="json", exclude_none=True)
+        return CallRequest(to_conversation(req), to_sampling(req), req.model, body)
+
+    return await answer(
+        request,
+        protocol=PROTOCOL,
+        id_prefix="chatcmpl-",
+        stream=req.stream,
+        build=build,
+        complete=lambda ctx: _complete(svc, ctx, req),
+        streamed=lambda ctx, chunks: _stream(svc, ctx, req, chunks),
+    )
 
 
 async def _complete(svc: CallService, ctx: CallContext, req: ChatCompletionRequest) -> dict[str, Any]:
@@ -151,19 +115,18 @@ async def _complete(svc: CallService, ctx: CallContext, req: ChatCompletionReque
     parse_tools = req.tool_choice != "none" and bool(req.tools)
     choices, replies = [], []
     for o in outputs:
-        decoder = TextDecoder(svc.tokenizer, ctx.sampling.stop)
-        content, calls = parse_all(decoder.feed(o.token_ids) + decoder.finish(), parse_tools=parse_tools)
-        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-        if calls:
-            message["tool_calls"] = [_tool_call_json(None, c) for c in calls]
+        d = decode(ctx, o, parse_tools=parse_tools)
+        message: dict[str, Any] = {"role": "assistant", "content": d.text, "refusal": None}
+        if d.tool_calls:
+            message["tool_calls"] = [_tool_call_json(None, c) for c in d.tool_calls]
         choice: dict[str, Any] = {
             "index": o.index,
             "message": message,
-            "finish_reason": _finish(o, bool(calls)),
+            "finish_reason": _finish(o, bool(d.tool_calls)),
             "logprobs": _logprobs(svc, o.token_ids, o.logprobs) if req.logprobs else None,
         }
         choices.append(choice)
-        replies.append(_reply(content, calls))
+        replies.append(d.reply())
     body = {
         "id": ctx.request_id,
         "object": "chat.completion",
@@ -177,37 +140,8 @@ async def _complete(svc: CallService, ctx: CallContext, req: ChatCompletionReque
     return body
 
 
-class _ChoiceStream:
-    """Per-choice state of a streamed answer: decoder, tool-call parser, what was sent."""
-
-    def __init__(self, svc: CallService, ctx: CallContext, index: int, parse_tools: bool) -> None:
-        self.output = Output(index)
-        self.decoder = TextDecoder(svc.tokenizer, ctx.sampling.stop)
-        self.parser = ToolCallParser(parse_tools=parse_tools)
-        self.content: list[str] = []
-        self.done = False
-
-    def events(self, ids: list[int], lps: list[float], finish: str | None) -> list[Event]:
-        self.output.token_ids += ids
-        self.output.logprobs += lps
-        events = self.parser.feed(self.decoder.feed(ids))
-        if finish is not None:
-            self.output.finish_reason = finish
-            events += self.parser.feed(self.decoder.finish()) + self.parser.finish()
-            self.done = True
-        for e in events:
-            if isinstance(e, ContentDelta):
-                self.content.append(e.text)
-        return events
-
-
 async def _stream(
-    svc: CallService,
-    ctx: CallContext,
-    req: ChatCompletionRequest,
-    chunks: AsyncIterator[tuple[int, list[int], list[float], str | None]],
-    stack: AsyncExitStack,
-    started: float,
+    svc: CallService, ctx: CallContext, req: ChatCompletionRequest, chunks: Chunks
 ) -> AsyncIterator[bytes]:
     parse_tools = req.tool_choice != "none" and bool(req.tools)
     head = {
@@ -218,64 +152,52 @@ async def _stream(
         "system_fingerprint": f"inharness-v{ctx.version}",
     }
 
-    def event(body: dict[str, Any]) -> bytes:
-        return b"data: " + orjson.dumps(body) + b"\n\n"
-
-    def sse(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> bytes:
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return event({**head, "choices": [choice]})
+        return sse({**head, "choices": [choice]})
 
-    states = [_ChoiceStream(svc, ctx, i, parse_tools) for i in range(ctx.sampling.n)]
+    states = [ChoiceStream(ctx, i, parse_tools=parse_tools) for i in range(ctx.sampling.n)]
+    for s in states:
+        yield chunk(s.output.index, {"role": "assistant", "content": ""})
     try:
-        for s in states:
-            yield sse(s.output.index, {"role": "assistant", "content": ""})
-        try:
-            async for index, ids, lps, finish in chunks:
-                s = states[index]
-                deltas = []
-                for e in s.events(ids, lps, finish):
-                    if isinstance(e, ContentDelta):
-                        deltas.append({"content": e.text})
-                    else:
-                        k = s.parser.tool_calls.index(e)
-                        deltas.append({"tool_calls": [_tool_call_json(k, e)]})
-                lp = _logprobs(svc, ids, lps) if req.logprobs else None
-                if lp is not None and not deltas:
-                    deltas.append({"content": ""})
-                for n, d in enumerate(deltas):
-                    yield sse(index, d, lp if n == 0 else None)
-        except APIError as exc:
-            yield event(error_body(exc.status, exc.message, code=exc.code))
-            return
-        outputs = [s.output for s in states]
-        replies = [_reply("".join(s.content) or None, s.parser.tool_calls) for s in states]
-        await ctx.record(outputs, replies, _assembled(ctx, states, outputs))
-        for s in states:
-            yield sse(s.output.index, {}, finish=_finish(s.output, bool(s.parser.tool_calls)))
-        if req.stream_options and req.stream_options.include_usage:
-            yield event({**head, "choices": [], "usage": _usage(ctx, outputs)})
-        yield b"data: [DONE]\n\n"
-    finally:
-        await stack.aclose()
-        svc.metrics.latency.labels(PROTOCOL).observe(time.perf_counter() - started)
+        async for index, ids, lps, finish in chunks:
+            s = states[index]
+            deltas = []
+            for e in s.events(ids, lps, finish):
+                if isinstance(e, ContentDelta):
+                    deltas.append({"content": e.text})
+                else:
+                    k = s.tool_calls.index(e)
+                    deltas.append({"tool_calls": [_tool_call_json(k, e)]})
+            lp = _logprobs(svc, ids, lps) if req.logprobs else None
+            if lp is not None and not deltas:
+                deltas.append({"content": ""})
+            for n, d in enumerate(deltas):
+                yield chunk(index, d, lp if n == 0 else None)
+    except APIError as exc:
+        yield sse(error_body(exc.status, exc.message, code=exc.code))
+        return
+    outputs = [s.output for s in states]
+    await ctx.record(outputs, [s.reply() for s in states], _assembled(ctx, states, outputs))
+    for s in states:
+        yield chunk(s.output.index, {}, finish=_finish(s.output, bool(s.tool_calls)))
+    if req.stream_options and req.stream_options.include_usage:
+        yield sse({**head, "choices": [], "usage": _usage(ctx, outputs)})
+    yield b"data: [DONE]\n\n"
 
 
-def _assembled(ctx: CallContext, states: list[_ChoiceStream], outputs: list[Output]) -> dict[str, Any]:
+def _assembled(ctx: CallContext, states: list[ChoiceStream], outputs: list[Output]) -> dict[str, Any]:
     """The non-streaming body equivalent to a streamed answer, for the record."""
     choices = []
     for s in states:
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": "".join(s.content) or None,
-            "refusal": None,
-        }
-        if s.parser.tool_calls:
-            message["tool_calls"] = [_tool_call_json(None, c) for c in s.parser.tool_calls]
+        message: dict[str, Any] = {"role": "assistant", "content": s.text, "refusal": None}
+        if s.tool_calls:
+            message["tool_calls"] = [_tool_call_json(None, c) for c in s.tool_calls]
         choices.append(
             {
                 "index": s.output.index,
                 "message": message,
-                "finish_reason": _finish(s.output, bool(s.parser.tool_calls)),
+                "finish_reason": _finish(s.output, bool(s.tool_calls)),
             }
         )
     return {

@@ -4,38 +4,34 @@ Unknown fields are accepted (harnesses and their SDKs send many) and recorded; k
 wrong type or out of range are rejected with a 400 that names the field.
 """
 
-import json
 import re
-from functools import lru_cache
 from typing import Any, Literal
 
-from jsonschema import Draft202012Validator, SchemaError
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from inharness.gateway.conversation import parameters_problem
+from inharness.gateway.protocols.common import OpenModel
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class TextPart(_Open):
+class TextPart(OpenModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCallIn(_Open):
+class FunctionCallIn(OpenModel):
     name: str
     arguments: str | dict[str, Any] = ""
 
 
-class ToolCallIn(_Open):
+class ToolCallIn(OpenModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class ChatMessage(_Open):
+class ChatMessage(OpenModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -60,7 +56,7 @@ class ChatMessage(_Open):
         return "".join(p.text for p in self.content)
 
 
-class FunctionDef(_Open):
+class FunctionDef(OpenModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -78,45 +74,31 @@ class FunctionDef(_Open):
     def _schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is None:
             return v
-        problem = _schema_problem(json.dumps(v, sort_keys=True))
+        problem = parameters_problem(v)
         if problem:
             raise ValueError(problem)
         return v
 
 
-@lru_cache(maxsize=1024)
-def _schema_problem(schema_json: str) -> str | None:
-    """Why a tool's parameters are not usable, or None; cached, since harnesses send the same tools
-    with every call and checking a schema costs far more than the rest of the request."""
-    schema = json.loads(schema_json)
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        return f"parameters is not a valid JSON Schema: {exc.message}"
-    if schema.get("type", "object") != "object":
-        return "parameters must be a JSON Schema of type 'object'"
-    return None
-
-
-class ToolDef(_Open):
+class ToolDef(OpenModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Open):
+class NamedFunction(OpenModel):
     name: str
 
 
-class NamedToolChoice(_Open):
+class NamedToolChoice(OpenModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Open):
+class ChatCompletionRequest(OpenModel):
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None

@@ -14,7 +14,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from sqlalchemy import Engine, bindparam, create_engine, event, func, insert, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    insert,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -78,6 +90,7 @@ class CallRecord:
     finished_at: float
     request_body: dict[str, Any]
     response_body: dict[str, Any]
+    notes: Sequence[str] = ()  # what of the request the prompt leaves out, and why
     id: int | None = None
 
 
@@ -150,6 +163,7 @@ class Store:
             store = cls(create_async_engine(parsed, pool_size=10), serialize_writes=False)
         async with store._writing() as conn:
             await conn.run_sync(metadata.create_all)
+            await conn.run_sync(_add_missing_columns)
         store._writer = asyncio.create_task(store._write_calls_forever(), name="store-call-writer")
         return store
 
@@ -537,6 +551,22 @@ class Store:
             )
         return None if blob is None else unpack_ids(blob)
 
+    async def call_bodies(
+        self, attempt_id: str, request_id: str
+    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(request body, response body) of the attempt's call answered as `request_id` (its first
+        choice), or None when the attempt has no such call."""
+        async with self._engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    select(calls.c.request_body, calls.c.response_body)
+                    .where(calls.c.attempt_id == attempt_id, calls.c.request_id == request_id)
+                    .order_by(calls.c.choice_index)
+                    .limit(1)
+                )
+            ).first()
+        return None if row is None else (row.request_body, row.response_body)
+
     async def list_calls(self, attempt_id: str, *, bodies: bool = True) -> list[schema.CallOut]:
         async with self._engine.connect() as conn:
             if (await conn.scalar(select(attempts.c.id).where(attempts.c.id == attempt_id))) is None:
@@ -758,6 +788,19 @@ async def _rollout_out(conn: AsyncConnection, row: Any) -> schema.RolloutOut:
     )
 
 
+def _add_missing_columns(conn: Connection) -> None:
+    """Columns added to a table after a store was created, added to that store (`create_all` makes
+    missing tables only). Each such column is nullable, so existing rows stay valid."""
+    existing = inspect(conn)
+    for table in metadata.sorted_tables:
+        have = {c["name"] for c in existing.get_columns(table.name)}
+        for column in table.columns:
+            if column.name not in have:
+                assert column.nullable, f"{table.name}.{column.name}: an added column must be nullable"
+                kind = column.type.compile(dialect=conn.dialect)
+                conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+
+
 def _call_row(rec: CallRecord) -> dict[str, Any]:
     return {
         "attempt_id": rec.attempt_id,
@@ -782,6 +825,7 @@ def _call_row(rec: CallRecord) -> dict[str, Any]:
         "finished_at": rec.finished_at,
         "request_body": rec.request_body,
         "response_body": rec.response_body,
+        "notes": list(rec.notes) or None,
     }
 
 
@@ -808,4 +852,5 @@ def _call_out(row: Any, *, bodies: bool) -> schema.CallOut:
         finished_at=row.finished_at,
         request=row.request_body if bodies else None,
         response=row.response_body if bodies else None,
+        notes=row.notes or [],
     )

@@ -96,6 +96,9 @@ calls = Table(
     Column("finished_at", Float, nullable=False),
     Column("request_body", JSON, nullable=False),
     Column("response_body", JSON, nullable=False),
+    # What of the request the prompt left out, and why (a tool type the model cannot run, ...);
+    # added after the first stores were made: Store.open adds it to an older store.
+    Column("notes", JSON),
     Index("ix_calls_attempt", "attempt_id", "id"),
     Index("ix_calls_reply", "attempt_id", "reply_digest"),
     Index("ix_calls_request", "attempt_id", "request_digest"),
