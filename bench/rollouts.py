@@ -1,15 +1,19 @@
 """The kubernetes rollout backend's throughput and its Kubernetes API requests per attempt, for
-100 / 1,000 / 10,000 attempts, in one run.
+100 / 1,000 / 10,000 attempts, each as bare Pods and as Jobs (`spec.kubernetes.workload`), side by
+side in one run.
 
-Parts: a real gateway (subprocess, SQLite store), kmock's emulator with the fake kubelet of the
-tests (tests/operator/fake_kubelet.py) in a second process, and the controller in this one, as the
-operator runs it: one pod per attempt, a key Secret and a task ConfigMap per batch, a pod watch, TTL
-0 (each pod deleted once reported). Each harness "runs" for no time, so what is measured is the
-controller, the API and the gateway, not harnesses. API requests are counted by verb in the
-controller's KubeClient (the kubelet's own requests are not the operator's), gateway requests by
-kind in the controller's GatewayClient.
+Parts: a real gateway (subprocess, SQLite store), kmock's emulator with the fake kubelet and fake job
+controller of the tests (tests/operator/fake_kubelet.py) in a second process, and the controller in
+this one, as the operator runs it: one pod (or Job) per attempt, a key Secret and a task ConfigMap per
+batch, a pod watch (and a Job watch), TTL 0 (each pod or Job deleted once reported). Each harness
+"runs" for no time, so what is measured is the controller, the API and the gateway, not harnesses.
+API requests are counted by verb in the controller's KubeClient (the kubelet's own requests are not
+the operator's); the fake job controller's requests (pod creations, Job status writes, the pods it
+deletes with their Job) are counted apart, as `jobctl/att`: a lower bound of the real job
+controller's, which also writes tracking finalizers and more status. Gateway requests are counted
+by kind in the controller's GatewayClient.
 
-Run: make bench-rollouts   (or: .venv/bin/python bench/rollouts.py [--sizes 100,1000] [--qps 50])
+Run: make bench-rollouts   (or: .venv/bin/python bench/rollouts.py [--sizes 100,1000] [--workloads Pod,Job])
 """
 
 import argparse
@@ -50,19 +54,24 @@ def gateway_kind(path: str) -> str:
     return "other"
 
 
-def emulator_process(ready: Any, done: Any) -> None:
-    """The emulator and the fake kubelet, in their own process (the machine's second core)."""
+def emulator_process(ready: Any, done: Any, job_requests: Any) -> None:
+    """The emulator, the fake kubelet and the fake job controller, in their own process (the
+    machine's second core); `job_requests`: the job controller's API requests so far."""
 
     async def serve() -> None:
-        from fake_kubelet import FakeKubelet, RolloutCluster
+        from fake_kubelet import FakeJobController, FakeKubelet, RolloutCluster
         from kmock import Server
 
         async with RolloutCluster() as k8s, Server(k8s) as server:
             url = str(server.url).rstrip("/")
-            async with KubeClient(url, qps=1e6, burst=1_000_000) as kube, FakeKubelet(kube, NS):
+            async with (
+                KubeClient(url, qps=1e6, burst=1_000_000) as kube,
+                FakeKubelet(kube, NS),
+                FakeJobController(kube, NS) as jobs,
+            ):
                 ready.put(url)
-                while not await asyncio.to_thread(done.wait, 0.5):
-                    pass
+                while not await asyncio.to_thread(done.wait, 0.2):
+                    job_requests.value = jobs.requests
 
     asyncio.run(serve())
 
@@ -74,10 +83,82 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def make_controller(
+    gw: GatewayClient,
+    kube: KubeClient,
+    pool_name: str,
+    workload: str,
+    args: argparse.Namespace,
+    reported: Counter[str],
+) -> KubernetesRolloutController:
+    pool = RolloutPoolSpec.model_validate(
+        {
+            "harnessRef": {"name": "bench"},
+            "backend": "kubernetes",
+            "parallelism": args.parallelism,
+            "kubernetes": {"workload": workload, "ttlSecondsAfterFinished": 0, "keepFailed": 0},
+        }
+    )
+    harness = HarnessSpecSpec.model_validate({"image": "example.org/harness:bench", "command": ["harness"]})
+    return KubernetesRolloutController(
+        gw,
+        kube,
+        namespace=NS,
+        run="bench",
+        pool_name=pool_name,
+        pool_uid=None,
+        pool=pool,
+        harness=harness,
+        log=lambda _: None,
+        on_report=lambda _a, outcome, report: reported.update([f"{outcome.status}/{report}"]),
+    )
+
+
+async def drive(controller: KubernetesRolloutController, n: int, reported: Counter[str]) -> dict[str, Any]:
+    """Run the controller until all `n` attempts are reported and their pods or Jobs deleted."""
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    task = asyncio.create_task(controller.run(stop))
+    started_at = done_at = None
+    max_running, next_note = 0, 10.0
+    while True:
+        await asyncio.sleep(0.02)
+        max_running = max(max_running, controller.running)
+        elapsed = time.perf_counter() - t0
+        if started_at is None and controller.started >= n:
+            started_at = elapsed
+        if done_at is None and sum(reported.values()) >= n:
+            done_at = elapsed
+        if elapsed >= next_note:
+            next_note += 10
+            print(
+                f"  {n}: {elapsed:.0f}s, {controller.started} started, {sum(reported.values())} reported, "
+                f"{controller.running} running, {controller.pods} tracked",
+                file=sys.stderr,
+                flush=True,
+            )
+        # the last deletions belong to the count too
+        if done_at is not None and (not controller.pods or elapsed > done_at + 60):
+            break
+        if task.done():
+            task.result()
+            raise RuntimeError("the controller stopped early")
+    stop.set()
+    await task
+    assert started_at is not None and done_at is not None
+    return {"started_at": started_at, "done_at": done_at, "max_running": max_running}
+
+
 async def one_size(
-    url: str, gateway: str, n: int, args: argparse.Namespace, pids: dict[str, int]
+    url: str,
+    gateway: str,
+    n: int,
+    workload: str,
+    args: argparse.Namespace,
+    pids: dict[str, int],
+    job_requests: Any,
 ) -> dict[str, Any]:
-    pool_name = f"bench-{n}"
+    pool_name = f"bench-{workload.lower()}-{n}"
     async with (
         GatewayClient(gateway, ADMIN, timeout=120) as gw,
         KubeClient(url, qps=args.qps, burst=args.burst) as kube,
@@ -85,17 +166,6 @@ async def one_size(
         for start in range(0, n, 10_000):
             tasks = [{"i": i} for i in range(start, min(n, start + 10_000))]
             await gw.create_rollouts(tasks, pool=pool_name, max_attempts=1)
-        pool = RolloutPoolSpec.model_validate(
-            {
-                "harnessRef": {"name": "bench"},
-                "backend": "kubernetes",
-                "parallelism": args.parallelism,
-                "kubernetes": {"ttlSecondsAfterFinished": 0, "keepFailed": 0},
-            }
-        )
-        harness = HarnessSpecSpec.model_validate(
-            {"image": "example.org/harness:bench", "command": ["harness"]}
-        )
         reported: Counter[str] = Counter()
         gateway_requests: Counter[str] = Counter()
 
@@ -103,60 +173,22 @@ async def one_size(
             gateway_requests[gateway_kind(request.url.path)] += 1
 
         gw._http.event_hooks["request"].append(count)
-        controller = KubernetesRolloutController(
-            gw,
-            kube,
-            namespace=NS,
-            run="bench",
-            pool_name=pool_name,
-            pool_uid=None,
-            pool=pool,
-            harness=harness,
-            log=lambda _: None,
-            on_report=lambda _a, outcome, report: reported.update([f"{outcome.status}/{report}"]),
-        )
-        stop = asyncio.Event()
+        controller = make_controller(gw, kube, pool_name, workload, args, reported)
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        t0 = time.perf_counter()
-        task = asyncio.create_task(controller.run(stop))
-        started_at = done_at = None
-        max_running = 0
-        next_note = 10.0
-        while True:
-            await asyncio.sleep(0.02)
-            max_running = max(max_running, controller.running)
-            elapsed = time.perf_counter() - t0
-            if started_at is None and controller.started >= n:
-                started_at = elapsed
-            if done_at is None and sum(reported.values()) >= n:
-                done_at = elapsed
-            if elapsed >= next_note:
-                next_note += 10
-                print(
-                    f"  {n}: {elapsed:.0f}s, {controller.started} started, "
-                    f"{sum(reported.values())} reported, "
-                    f"{controller.running} running, {controller.pods} pods",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            # the last pods' deletions belong to the count too
-            if done_at is not None and (not controller.pods or elapsed > done_at + 60):
-                break
-            if task.done():
-                task.result()
-                raise RuntimeError("the controller stopped early")
-        stop.set()
-        await task
+        jobs_before = job_requests.value
+        ran = await drive(controller, n, reported)
+        await asyncio.sleep(0.5)  # the job controller's count arrives every 0.2 s
         cpu_after = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        assert started_at is not None
         requests = dict(kube.requests)
     return {
+        "workload": workload,
         "n": n,
-        "started_per_s": n / started_at,
-        "completed_per_s": n / done_at,
-        "seconds": done_at,
-        "max_running": max_running,
+        "started_per_s": n / ran["started_at"],
+        "completed_per_s": n / ran["done_at"],
+        "seconds": ran["done_at"],
+        "max_running": ran["max_running"],
         "per_attempt": {v: requests.get(v, 0) / n for v in VERBS},
+        "jobctl_per_attempt": (job_requests.value - jobs_before) / n,
         "gateway_per_attempt": {k: gateway_requests[k] / n for k in GATEWAY_KINDS},
         "reported": dict(reported),
         "cpu_ms": {name: 1000 * (cpu_after[name] - cpu_before[name]) / n for name in pids},
@@ -174,54 +206,66 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             [*gw_args, "--admin-token", ADMIN], port=port, log=Path(tmp) / "gateway.log", health="/healthz"
         ).start()
         ctx = multiprocessing.get_context("spawn")
-        ready, done = ctx.Queue(), ctx.Event()
-        emulator = ctx.Process(target=emulator_process, args=(ready, done), daemon=True)
+        ready, done, job_requests = ctx.Queue(), ctx.Event(), ctx.Value("q", 0)
+        emulator = ctx.Process(target=emulator_process, args=(ready, done, job_requests), daemon=True)
         emulator.start()
         try:
             url = ready.get(timeout=60)
             assert gateway.proc is not None and emulator.pid is not None
-            pids = {"controller": os.getpid(), "emulator+kubelet": emulator.pid, "gateway": gateway.proc.pid}
-            return [await one_size(url, gateway.url, n, args, pids) for n in args.sizes]
+            pids = {"controller": os.getpid(), "emulator+fakes": emulator.pid, "gateway": gateway.proc.pid}
+            return [
+                await one_size(url, gateway.url, n, workload, args, pids, job_requests)
+                for n in args.sizes
+                for workload in args.workloads
+            ]
         finally:
             done.set()
             emulator.join(10)
             gateway.stop()
 
 
+def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        "kubernetes rollout backend on kmock's emulator + fake kubelet + fake job controller + real gateway, "
+        f"parallelism {args.parallelism}, client QPS {args.qps:g} burst {args.burst}"
+    )
+    head = f"{'workload':>8} {'attempts':>9} {'started/s':>10} {'completed/s':>12}"
+    head += f" {'seconds':>8} {'in flight':>10}"
+    head += "".join(f" {v + '/att':>11}" for v in VERBS) + f" {'all/att':>8} {'jobctl/att':>10}"
+    print(head)
+    for r in results:
+        row = f"{r['workload']:>8} {r['n']:>9} {r['started_per_s']:>10.1f} {r['completed_per_s']:>12.1f}"
+        row += f" {r['seconds']:>8.1f} {r['max_running']:>10}"
+        row += "".join(f" {r['per_attempt'][v]:>11.3f}" for v in VERBS)
+        row += f" {sum(r['per_attempt'].values()):>8.3f} {r['jobctl_per_attempt']:>10.3f}"
+        print(row)
+    print("gateway requests per attempt, by the controller:")
+    print(
+        f"{'workload':>8} {'attempts':>9}"
+        + "".join(f" {k + '/att':>13}" for k in GATEWAY_KINDS)
+        + f" {'all/att':>8}"
+    )
+    for r in results:
+        g = r["gateway_per_attempt"]
+        row = f"{r['workload']:>8} {r['n']:>9}" + "".join(f" {g[k]:>13.3f}" for k in GATEWAY_KINDS)
+        print(row + f" {sum(g.values()):>8.3f}")
+    print("CPU milliseconds per attempt, by process:")
+    for r in results:
+        cpu = ", ".join(f"{name} {ms:.1f}" for name, ms in r["cpu_ms"].items())
+        print(f"  {r['workload']:>4} {r['n']:>6} attempts: {cpu}; outcomes {r['reported']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="100,1000,10000", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--workloads", default="Pod,Job", type=lambda s: s.split(","))
     parser.add_argument("--parallelism", type=int, default=1000)
     parser.add_argument(
         "--qps", type=float, default=200.0, help="the controller's client-side API rate limit"
     )
     parser.add_argument("--burst", type=int, default=400)
     args = parser.parse_args()
-    results = asyncio.run(bench(args))
-    print(
-        f"kubernetes rollout backend on kmock's emulator + fake kubelet + real gateway, "
-        f"parallelism {args.parallelism}, client QPS {args.qps:g} burst {args.burst}"
-    )
-    head = f"{'attempts':>9} {'started/s':>10} {'completed/s':>12} {'seconds':>8} {'in flight':>10}"
-    head += "".join(f" {v + '/att':>11}" for v in VERBS) + f" {'all/att':>8}"
-    print(head)
-    for r in results:
-        row = f"{r['n']:>9} {r['started_per_s']:>10.1f} {r['completed_per_s']:>12.1f} {r['seconds']:>8.1f}"
-        row += f" {r['max_running']:>10}"
-        row += "".join(f" {r['per_attempt'][v]:>11.3f}" for v in VERBS)
-        row += f" {sum(r['per_attempt'].values()):>8.3f}"
-        print(row)
-    print("gateway requests per attempt, by the controller:")
-    print(f"{'attempts':>9}" + "".join(f" {k + '/att':>13}" for k in GATEWAY_KINDS) + f" {'all/att':>8}")
-    for r in results:
-        g = r["gateway_per_attempt"]
-        print(
-            f"{r['n']:>9}" + "".join(f" {g[k]:>13.3f}" for k in GATEWAY_KINDS) + f" {sum(g.values()):>8.3f}"
-        )
-    print("CPU milliseconds per attempt, by process:")
-    for r in results:
-        cpu = ", ".join(f"{name} {ms:.1f}" for name, ms in r["cpu_ms"].items())
-        print(f"  {r['n']:>6} attempts: {cpu}; outcomes {r['reported']}")
+    print_table(asyncio.run(bench(args)), args)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,25 @@ What it does per new pod, driven by the `kubelet` entry of the pod's task (env I
 
 It also counts, on every pod watch event, the pods that exist and are not finished (`max_active`,
 `active_over` for a limit): how the tests check parallelism without sampling.
+
+`FakeJobController` plays the job controller and the garbage collector for harness Jobs, as thinly:
+a Job that is not suspended gets one pod from its template (owned by the Job, labelled
+`batch.kubernetes.io/job-name` and `job-name`), once; a suspended one none until it is resumed (what
+Kueue does on admission); the pod's end sets the Job's status (Complete, or Failed with the reason
+the real controller names: PodFailurePolicy for a non-zero exit, BackoffLimitExceeded for a pod
+deleted or failed otherwise); a deleted Job's pod is deleted (propagationPolicy Background). It
+does not enforce the Job's activeDeadlineSeconds (the pod's own deadline, enforced by the fake
+kubelet, comes first by design), nor ttlSecondsAfterFinished, nor restart failed pods.
 """
 
 import asyncio
 import base64
 import contextlib
 import json
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,7 +49,7 @@ import aiohttp
 from kmock import action
 from kube_emulator import EmulatedCluster
 
-from inharness.operator.kube import CONFIGMAPS, PODS, SECRETS, KubeClient, KubeError, NotFound
+from inharness.operator.kube import CONFIGMAPS, JOBS, PODS, SECRETS, KubeClient, KubeError, NotFound
 
 _IMAGE = {"image": "example.org/harness:fake", "imageID": "example.org/harness@sha256:0"}
 MESSAGE_LIMIT = 4096
@@ -289,109 +300,29 @@ class FakeKubelet:
         except (ValueError, AttributeError):
             script = {}
         do = script.get("do", "succeed")
-        cname = container["name"]
-        statuses = "initContainerStatuses" if inits else "containerStatuses"
-        initializing: dict[str, Any] = {}
+        play = _Play(name, container, "initContainerStatuses" if inits else "containerStatuses")
         if grader is not None:
             waiting = {"waiting": {"reason": "PodInitializing"}}
-            initializing = {"containerStatuses": [{"name": grader["name"], "ready": False, "state": waiting}]}
-
+            play.initializing = {
+                "containerStatuses": [{"name": grader["name"], "ready": False, "state": waiting}]
+            }
         if do == "unschedulable":
-            await self._status(
-                name,
-                {
-                    "phase": "Pending",
-                    "conditions": [
-                        {
-                            "type": "PodScheduled",
-                            "status": "False",
-                            "reason": "Unschedulable",
-                            "message": "0/3 nodes are available: 3 Insufficient memory.",
-                            "lastTransitionTime": _now(),
-                        }
-                    ],
-                },
-            )
+            await self._status(name, {"phase": "Pending", "conditions": [_unschedulable()]})
             return
-        scheduled = [{"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()}]
         if problem is not None or do == "image-pull":
-            reason = "CreateContainerConfigError" if problem is not None else "ErrImagePull"
-            message = problem or f'failed to pull image "{container["image"]}": not found'
-            for why in [reason] if problem is not None else [reason, "ImagePullBackOff"]:
-                await self._status(
-                    name,
-                    {
-                        "phase": "Pending",
-                        "conditions": scheduled,
-                        statuses: [
-                            {
-                                "name": cname,
-                                "ready": False,
-                                "state": {"waiting": {"reason": why, "message": message}},
-                            }
-                        ],
-                        **initializing,
-                    },
-                )
+            await self._wait_forever(play, problem)
             return
-
         began = asyncio.get_running_loop().time()
-        started = _now()
-        await self._status(
-            name,
-            {
-                "phase": "Pending" if inits else "Running",
-                "startTime": started,
-                "conditions": scheduled,
-                statuses: [
-                    {
-                        "name": cname,
-                        **_IMAGE,
-                        "ready": True,
-                        "restartCount": 0,
-                        "state": {"running": {"startedAt": started}},
-                    }
-                ],
-                **initializing,
-            },
-        )
+        await self._start(play, pending=bool(inits))
         deadline = spec.get("activeDeadlineSeconds")
         deadline = None if deadline is None else float(deadline)
-        ran = await self._run_for(script, deadline)
-        if not ran:
-            await self._status(
-                name,
-                {
-                    "phase": "Failed",
-                    "reason": "DeadlineExceeded",
-                    "message": "Pod was active on the node longer than the specified deadline",
-                    statuses: [self._terminated(cname, started, 137, "Error", "")],
-                },
+        if not await self._run_for(script, deadline):
+            await self._fail(
+                play, "DeadlineExceeded", "Pod was active on the node longer than the specified deadline"
             )
             return
-        if do == "delete":
-            with contextlib.suppress(NotFound):
-                await self.kube.delete(PODS, name, self.namespace)
-            return
-        if do == "evict":
-            await self._status(
-                name,
-                {
-                    "phase": "Failed",
-                    "reason": "Evicted",
-                    "message": "The node was low on resource: memory.",
-                    statuses: [self._terminated(cname, started, 137, "Error", "")],
-                },
-            )
-            return
-        if do == "oom":
-            await self._status(
-                name,
-                {
-                    "phase": "Failed",
-                    statuses: [self._terminated(cname, started, 137, "OOMKilled", "")],
-                },
-            )
+        if do in ("delete", "evict", "oom"):
+            await self._end_abnormally(play, do)
             return
         code = int(script.get("code", 0 if do == "succeed" else 1))
         written = script.get("message")
@@ -399,14 +330,65 @@ class FakeKubelet:
             written = json.dumps(script.get("result", {"reward": 1.0}))
         files: dict[tuple[str, str], str] = {}
         message = self._write_result(container, env, str(written or ""), files)
-        term = self._terminated(cname, started, code, "Completed" if code == 0 else "Error", message)
+        term = self._terminated(
+            play.cname, play.started, code, "Completed" if code == 0 else "Error", message
+        )
         if grader is None or code != 0:
-            await self._status(
-                name, {"phase": "Succeeded" if code == 0 else "Failed", statuses: [term], **initializing}
-            )
+            phase = "Succeeded" if code == 0 else "Failed"
+            await self._status(name, {"phase": phase, play.statuses: [term], **play.initializing})
             return
         left = None if deadline is None else deadline - (asyncio.get_running_loop().time() - began)
         await self._grade(pod, grader, term, script.get("grader") or {}, files, left)
+
+    async def _wait_forever(self, play: "_Play", problem: str | None) -> None:
+        """A container that cannot start: its env cannot be resolved, or its image cannot be pulled."""
+        reason = "CreateContainerConfigError" if problem is not None else "ErrImagePull"
+        message = problem or f'failed to pull image "{play.container["image"]}": not found'
+        for why in [reason] if problem is not None else [reason, "ImagePullBackOff"]:
+            waiting = {
+                "name": play.cname,
+                "ready": False,
+                "state": {"waiting": {"reason": why, "message": message}},
+            }
+            await self._status(
+                play.name,
+                {
+                    "phase": "Pending",
+                    "conditions": _scheduled(),
+                    play.statuses: [waiting],
+                    **play.initializing,
+                },
+            )
+
+    async def _start(self, play: "_Play", *, pending: bool) -> None:
+        running = {"name": play.cname, **_IMAGE, "ready": True, "restartCount": 0}
+        await self._status(
+            play.name,
+            {
+                "phase": "Pending" if pending else "Running",
+                "startTime": play.started,
+                "conditions": _scheduled(),
+                play.statuses: [{**running, "state": {"running": {"startedAt": play.started}}}],
+                **play.initializing,
+            },
+        )
+
+    async def _fail(self, play: "_Play", reason: str, message: str) -> None:
+        term = self._terminated(play.cname, play.started, 137, "Error", "")
+        await self._status(
+            play.name, {"phase": "Failed", "reason": reason, "message": message, play.statuses: [term]}
+        )
+
+    async def _end_abnormally(self, play: "_Play", do: str) -> None:
+        """The pod is deleted while it runs, evicted, or its container OOMKilled."""
+        if do == "delete":
+            with contextlib.suppress(NotFound):
+                await self.kube.delete(PODS, play.name, self.namespace)
+        elif do == "evict":
+            await self._fail(play, "Evicted", "The node was low on resource: memory.")
+        else:
+            term = self._terminated(play.cname, play.started, 137, "OOMKilled", "")
+            await self._status(play.name, {"phase": "Failed", play.statuses: [term]})
 
     async def _grade(
         self,
@@ -516,3 +498,165 @@ def _in_mount(container: Mapping[str, Any], path: str) -> tuple[str, str] | None
         if path.startswith(root):
             return mount["name"], path.removeprefix(root)
     return None
+
+
+@dataclass
+class _Play:
+    """One pod being played: its name, the container that runs first and where its status goes."""
+
+    name: str
+    container: Mapping[str, Any]
+    statuses: str  # "initContainerStatuses" (a graded pod's harness) or "containerStatuses"
+    initializing: dict[str, Any] = field(default_factory=dict)  # the grader's status while it waits
+    started: str = field(default_factory=lambda: _now())
+
+    @property
+    def cname(self) -> str:
+        return str(self.container["name"])
+
+
+def _scheduled() -> list[dict[str, Any]]:
+    return [{"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()}]
+
+
+def _unschedulable() -> dict[str, Any]:
+    return {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 Insufficient memory.",
+        "lastTransitionTime": _now(),
+    }
+
+
+JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
+
+
+class FakeJobController:
+    """See the module docstring. Use as `async with FakeJobController(kube, namespace) as jobs:`."""
+
+    def __init__(self, kube: KubeClient, namespace: str) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.created: Counter[str] = Counter()  # pods made, by Job
+        self.collected: list[str] = []  # pods deleted because their Job was
+        self.requests = 0  # what this fake sent the API server (the job controller's share of the load)
+        self._pods: dict[str, str] = {}  # Job -> its pod
+        self._jobs: dict[str, dict[str, Any]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> "FakeJobController":
+        self._tasks = [asyncio.create_task(self._run(JOBS)), asyncio.create_task(self._run(PODS))]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _run(self, resource: Any) -> None:
+        while True:
+            try:
+                async for kind, obj in self.kube.watch(resource, self.namespace, timeout_seconds=3600):
+                    if resource is JOBS:
+                        await self._on_job(kind, obj)
+                    else:
+                        await self._on_pod(kind, obj)
+            except (KubeError, aiohttp.ClientError, TimeoutError):
+                await asyncio.sleep(0.1)
+
+    async def _on_job(self, kind: str, job: dict[str, Any]) -> None:
+        name = job["metadata"]["name"]
+        if kind == "DELETED":
+            self._jobs.pop(name, None)
+            pod = self._pods.pop(name, None)
+            if pod is not None:
+                self.collected.append(pod)
+                self.requests += 1
+                with contextlib.suppress(NotFound):
+                    await self.kube.delete(PODS, pod, self.namespace)
+            return
+        self._jobs[name] = job
+        if name in self._pods or (job.get("spec") or {}).get("suspend") or _job_finished(job):
+            return
+        await self._make_pod(job)
+
+    async def _make_pod(self, job: dict[str, Any]) -> None:
+        meta, template = job["metadata"], job["spec"]["template"]
+        name = f"{meta['name']}-{uuid.uuid4().hex[:5]}"
+        self._pods[meta["name"]] = name
+        self.created[meta["name"]] += 1
+        labels = {
+            **(template.get("metadata") or {}).get("labels", {}),
+            **dict.fromkeys(JOB_NAME_LABELS, meta["name"]),
+        }
+        owner = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": meta["name"],
+            "uid": meta.get("uid", ""),
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": labels,
+                "ownerReferences": [owner],
+            },
+            "spec": template["spec"],
+        }
+        self.requests += 2
+        await self.kube.create(PODS, pod, self.namespace)
+        await self._status(meta["name"], {"startTime": _now(), "active": 1})
+
+    async def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        job_name = ((pod.get("metadata") or {}).get("labels") or {}).get("job-name")
+        job = self._jobs.get(job_name or "")
+        if job is None or _job_finished(job) or self._pods.get(job_name or "") != pod["metadata"]["name"]:
+            return
+        phase = (pod.get("status") or {}).get("phase")
+        if phase == "Succeeded":
+            await self._finish(
+                job, "Complete", "CompletionsReached", "Reached expected number of succeeded pods"
+            )
+        elif phase == "Failed" or kind == "DELETED":
+            await self._finish(job, "Failed", *_failure(pod, deleted=kind == "DELETED"))
+
+    async def _finish(self, job: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        condition = {"type": type_, "status": "True", "reason": reason, "message": message}
+        counts = {"succeeded": 1} if type_ == "Complete" else {"failed": 1}
+        job["status"] = {**(job.get("status") or {}), "conditions": [condition]}  # until its event comes
+        await self._status(job["metadata"]["name"], {"active": 0, **counts, "conditions": [condition]})
+
+    async def _status(self, name: str, status: dict[str, Any]) -> None:
+        self.requests += 1
+        with contextlib.suppress(NotFound):
+            await self.kube.patch(JOBS, name, {"status": status}, self.namespace, subresource="status")
+
+
+def _job_finished(job: Mapping[str, Any]) -> bool:
+    return any(
+        c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+        for c in (job.get("status") or {}).get("conditions") or []
+    )
+
+
+def _failure(pod: Mapping[str, Any], *, deleted: bool) -> tuple[str, str]:
+    """(reason, message) of a Job whose one pod failed, as the job controller words them."""
+    status = pod.get("status") or {}
+    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        code = ((cs.get("state") or {}).get("terminated") or {}).get("exitCode")
+        if code not in (None, 0) and not deleted:
+            where = f"{pod['metadata'].get('namespace')}/{pod['metadata']['name']}"
+            return (
+                "PodFailurePolicy",
+                f"Container {cs['name']} for pod {where} failed with exit code {code} "
+                "matching FailJob rule at index 1",
+            )
+    return "BackoffLimitExceeded", "Job has reached the specified backoff limit"

@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from inharness import cli
+from inharness.gateway.schema import ClaimedAttempt
 from inharness.operator import render
-from inharness.operator.render import RenderSettings, render_children
+from inharness.operator.render import RenderSettings, harness, render_children
 from inharness.operator.spec import TrainingRun
 from inharness.operator.specfile import Specs, load_specs
 
@@ -387,3 +388,70 @@ def test_render_command_refuses_a_bad_file_with_the_loader_message(tmp_path: Pat
         text=True,
     )
     assert r.returncode == 2 and "spec.batchSize" in r.stderr and r.stdout == ""
+
+
+# --- harness pods and Jobs (render/harness.py) ---------------------------------------------------------
+
+
+def harness_objects(specs: Specs, **kubernetes: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the harness Pod, the harness Job) of one attempt of the example, with pool settings replaced."""
+    pool = specs.rollout_pool.spec.model_copy(
+        update={"kubernetes": specs.rollout_pool.spec.kubernetes.model_copy(update=kubernetes)}
+    )
+    ctx = harness.PodContext(
+        "team", "calc", "calc-pool", UID, specs.harness.spec, pool.kubernetes, "http://calc-gateway:8000", 660
+    )
+    attempt = ClaimedAttempt(
+        id="att-0123456789abcdef",
+        rollout_id="r1",
+        group_id="g",
+        seq=0,
+        task={"q": 1},
+        token="k",
+        lease_expires_at=0,
+    )
+    return harness.harness_pod(ctx, attempt, "b1"), harness.harness_job(ctx, attempt, "b1")
+
+
+def test_a_harness_job_runs_the_harness_pod_once_with_a_backstop_deadline_and_ttl(specs: Specs) -> None:
+    pod, job = harness_objects(specs, ttl_seconds_after_finished=60)
+    spec = job["spec"]
+    assert job["metadata"]["name"] == pod["metadata"]["name"] == "calc-pool-att-0123456789abcdef"
+    assert job["metadata"]["labels"] == pod["metadata"]["labels"] == spec["template"]["metadata"]["labels"]
+    assert job["metadata"]["ownerReferences"] == pod["metadata"]["ownerReferences"]
+    assert spec["template"]["spec"] == pod["spec"]  # the same pod: one rendering, two wrappers
+    assert spec["backoffLimit"] == 0 and "suspend" not in spec
+    deadline = pod["spec"]["activeDeadlineSeconds"]
+    k = specs.rollout_pool.spec.kubernetes
+    assert (
+        spec["activeDeadlineSeconds"]
+        == deadline + k.unschedulable_grace_seconds + k.image_pull_grace_seconds + 30
+    )
+    assert spec["ttlSecondsAfterFinished"] == 60 + 660  # the pool's TTL and the lease
+    assert [r["action"] for r in spec["podFailurePolicy"]["rules"]] == ["FailJob", "FailJob"]
+
+
+def test_a_queued_harness_job_is_created_suspended_with_the_queue_label_on_the_job_only(specs: Specs) -> None:
+    pod, job = harness_objects(specs, queue_name="team-a")
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # Kueue's pod integration
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # Kueue's Job integration
+    assert "kueue.x-k8s.io/queue-name" not in job["spec"]["template"]["metadata"]["labels"]
+    assert job["spec"]["suspend"] is True  # Kueue resumes it on admission
+
+
+def test_a_job_name_fits_a_label_value_however_long_the_pool_name() -> None:
+    name = harness.job_name("p" * 63, "att-0123456789abcdef")
+    assert len(name) == 63 and name.endswith("-att-0123456789abcdef")
+
+
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_harness_pods_and_jobs_are_valid_kubernetes(specs: Specs, k8s_version: str) -> None:
+    for settings in ({}, {"queue_name": "team-a"}):
+        for obj in harness_objects(specs, **settings):
+            try:
+                kubernetes_validate.validate(obj, k8s_version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(
+                    f"{obj['kind']} is not valid at Kubernetes {k8s_version}: "
+                    f"{exc.message} at {list(exc.path)}"
+                )

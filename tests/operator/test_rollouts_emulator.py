@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from conftest import ADMIN
-from fake_kubelet import FakeKubelet, RolloutCluster
+from fake_kubelet import FakeJobController, FakeKubelet, RolloutCluster
 from kmock import Server
 from testsupport import Server as GatewayServer
 from testsupport import eventually, gateway_server
@@ -29,6 +29,7 @@ from inharness.gateway.schema import ClaimedAttempt, RolloutOut
 from inharness.operator.kube import (
     DEPLOYMENTS,
     HARNESSSPECS,
+    JOBS,
     PODS,
     ROLLOUTPOOLS,
     SECRETS,
@@ -37,18 +38,9 @@ from inharness.operator.kube import (
     NotFound,
 )
 from inharness.operator.pools import PoolManager
-from inharness.operator.rollouts import Outcome
-from inharness.operator.rollouts.kubernetes import (
-    Graces,
-    KubernetesRolloutController,
-    PodContext,
-    classify,
-    harness_pod,
-    keys_name,
-    pod_name,
-    pool_backend_problem,
-    tasks_name,
-)
+from inharness.operator.render.harness import PodContext, harness_pod, keys_name, pod_name, tasks_name
+from inharness.operator.rollouts.kubernetes import KubernetesRolloutController, pool_backend_problem
+from inharness.operator.rollouts.outcome import Graces, Outcome, classify
 from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
 from inharness.procs import free_port
 
@@ -749,6 +741,109 @@ async def test_against_a_gateway_without_batch_claims_the_controller_claims_one_
             done = await e.settled([r.id for r in made])
     assert {r.status for r in done} == {"succeeded"}
     assert sum("no batch claims" in line for line in logs) == 1  # found out once, then single claims
+
+
+# --- the Job workload ---------------------------------------------------------------------------------
+
+
+def job_pool(**kubernetes: Any) -> dict[str, Any]:
+    base = {
+        "ttlSecondsAfterFinished": 0,
+        "keepFailed": 0,
+        "unschedulableGraceSeconds": 0,
+        "imagePullGraceSeconds": 0,
+    }
+    return {"kubernetes": {**base, "workload": "Job", **kubernetes}}
+
+
+@asynccontextmanager
+async def job_controller(e: Env) -> AsyncIterator[FakeJobController]:
+    async with KubeClient(e.url) as kube, FakeJobController(kube, NS) as jobs:
+        yield jobs
+
+
+WORKLOAD_CASES = [
+    ("success", {"result": {"reward": 0.25}}, None),
+    ("exit", {"do": "exit", "code": 3, "message": "Traceback: boom"}, "NonZeroExit: exited with code 3"),
+    ("deadline", {"do": "succeed", "seconds": 30}, "DeadlineExceeded: ran past activeDeadlineSeconds (1s)"),
+]
+
+
+@pytest.mark.parametrize("workload", ["Pod", "Job"])
+@pytest.mark.parametrize(("case", "script", "reason"), WORKLOAD_CASES, ids=[c[0] for c in WORKLOAD_CASES])
+async def test_a_job_attempt_ends_as_the_pod_attempt_does_and_its_job_takes_its_pod_along(
+    env: Env, workload: str, case: str, script: dict[str, Any], reason: str | None
+) -> None:
+    e = env
+    (made,) = await e.rollouts([kubelet_task(**script)])
+    pool = job_pool(workload=workload)
+    harness = {"timeoutSeconds": 1 if case == "deadline" else 60}
+    async with kubelet(e), job_controller(e) as jobs, running(e.controller(pool=pool, harness=harness)):
+        (done,) = await e.settled([made.id])
+        await eventually(
+            lambda: not e.pods() and not e.objects("jobs") and not e.objects("secrets"), "all gone"
+        )
+    (attempt,) = done.attempts
+    if reason is None:
+        assert (done.status, done.reward) == ("succeeded", 0.25)
+    else:
+        assert done.status == "failed" and (attempt.failure_reason or "").startswith(reason), attempt
+    if workload == "Job":
+        # one pod for the Job, ever; the Job was deleted and its pod went with it (Background)
+        assert list(jobs.created.values()) == [1] and len(jobs.collected) == 1
+        assert attempt.info["pod"].startswith(f"{e.pool}-{attempt.id}-")
+    else:
+        assert not jobs.created and attempt.info["pod"] == pod_name(e.pool, attempt.id)
+
+
+async def test_a_job_carries_the_attempt_and_waits_suspended_in_its_queue_until_admitted(env: Env) -> None:
+    e = env
+    (made,) = await e.rollouts([kubelet_task(result={"reward": 1.0})])
+    async with (
+        kubelet(e),
+        job_controller(e) as jobs,
+        running(e.controller(pool=job_pool(queueName="team-a"))),
+    ):
+        ((name, job),) = (await eventually(lambda: e.objects("jobs"), "a Job")).items()
+        attempt = (await e.gw.get_rollout(made.id)).attempts[0]
+        assert name == f"{e.pool}-{attempt.id}" and job["spec"]["suspend"] is True
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert job["metadata"]["labels"]["inharness.dev/attempt"] == attempt.id
+        assert job["metadata"]["ownerReferences"][0]["uid"] == POOL_UID
+        assert (
+            job["spec"]["backoffLimit"] == 0 and job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+        )
+        kubernetes_validate.validate({k: v for k, v in job.items() if k != "status"}, "1.29", strict=True)
+        await asyncio.sleep(0.5)
+        assert not e.pods() and not jobs.created  # suspended: no pod, the lease is kept meanwhile
+        assert (await e.gw.get_rollout(made.id)).status == "running"
+        await e.kube.patch(JOBS, name, {"spec": {"suspend": False}}, NS)  # Kueue admits it
+        (done,) = await e.settled([made.id])
+    assert done.status == "succeeded" and done.reward == 1.0 and list(jobs.created.values()) == [1]
+
+
+async def test_a_restarted_controller_adopts_running_and_finished_jobs_without_a_second_pod(env: Env) -> None:
+    e = env
+    made = await e.rollouts([kubelet_task(hold=f"j{i}", result={"reward": i / 10}) for i in range(3)])
+    keep = job_pool(ttlSecondsAfterFinished=3600)
+    async with kubelet(e) as k, job_controller(e) as jobs:
+        async with running(e.controller(pool=keep)):
+            await eventually(lambda: len(k.env) == 3, "three Job pods running")
+        k.release("j0")  # finishes while no controller runs
+        await eventually(
+            lambda: any((p.get("status") or {}).get("phase") == "Succeeded" for p in e.pods().values()),
+            "a pod finished",
+        )
+        second = e.controller(pool=keep)
+        async with running(second):
+            k.release("j1")
+            k.release("j2")
+            done = await e.settled([r.id for r in made])
+            assert second.adopted == 3
+    assert [(r.status, r.reward, len(r.attempts)) for r in done] == [
+        ("succeeded", i / 10, 1) for i in range(3)
+    ]
+    assert list(jobs.created.values()) == [1, 1, 1]
 
 
 # --- pure parts ---------------------------------------------------------------------------------------

@@ -223,13 +223,7 @@ class PoolManager:
         problem = pool_backend_problem(harness.spec)
         if problem is not None:
             return problem
-        mine = [
-            r
-            for r in runs
-            if (r["metadata"].get("namespace") or "") == ns
-            and ((r.get("spec") or {}).get("rolloutPoolRef") or {}).get("name") == name
-            and not r["metadata"].get("deletionTimestamp")
-        ]
+        mine = _runs_using(runs, ns, name)
         if not mine:
             return "NoTrainingRun", f'no TrainingRun in {ns} uses RolloutPool "{name}"'
         waiting = []
@@ -239,7 +233,7 @@ class PoolManager:
             if token is None:
                 waiting.append(run_name)
                 continue
-            h_meta = h_body["metadata"]
+            fingerprint = _fingerprint(meta, h_body["metadata"], token)
             wanted[(ns, run_name)] = _Want(
                 namespace=ns,
                 run=run_name,
@@ -248,13 +242,7 @@ class PoolManager:
                 spec=pool.spec,
                 harness=harness.spec,
                 token=token,
-                fingerprint=(
-                    meta.get("uid"),
-                    meta.get("generation"),
-                    h_meta.get("uid"),
-                    h_meta.get("generation"),
-                    token,
-                ),
+                fingerprint=fingerprint,
             )
         if len(waiting) == len(mine):
             return "GatewayNotReady", f"the gateway of TrainingRun {', '.join(waiting)} is not available yet"
@@ -455,3 +443,27 @@ async def on_harness_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Mem
 @kopf.on.event(GROUP, VERSION, TRAININGRUN.plural)
 async def on_run_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _notice(memo, "TrainingRun", event, body)
+
+
+def _runs_using(runs: list[dict[str, Any]], ns: str, pool: str) -> list[dict[str, Any]]:
+    """The TrainingRuns of namespace `ns` that name this pool and are not being deleted."""
+    return [
+        r
+        for r in runs
+        if (r["metadata"].get("namespace") or "") == ns
+        and ((r.get("spec") or {}).get("rolloutPoolRef") or {}).get("name") == pool
+        and not r["metadata"].get("deletionTimestamp")
+    ]
+
+
+def _fingerprint(
+    pool_meta: Mapping[str, Any], harness_meta: Mapping[str, Any], token: str
+) -> tuple[Any, ...]:
+    """What a running controller was made from: a new pool or harness generation, or token, restarts it."""
+    return (
+        pool_meta.get("uid"),
+        pool_meta.get("generation"),
+        harness_meta.get("uid"),
+        harness_meta.get("generation"),
+        token,
+    )

@@ -692,7 +692,15 @@ class PodOverrides(SpecModel):
 
 
 class KubernetesPool(SpecModel):
-    """How the kubernetes backend runs and cleans up its harness pods (one bare Pod per attempt)."""
+    """How the kubernetes backend runs and cleans up its harness pods (one bare Pod per attempt, or one
+    Job per attempt with `workload: Job`)."""
+
+    workload: Literal["Pod", "Job"] = Field(
+        default="Pod",
+        description="What each attempt runs as: a bare Pod (one API object per attempt; Kueue admits it "
+        "through its pod integration) or a batch/v1 Job of that pod (run once, the gateway retries; what "
+        "Kueue admits with its default configuration). See docs/rollouts.md.",
+    )
 
     ttl_seconds_after_finished: int = Field(
         default=60,

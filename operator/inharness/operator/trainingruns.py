@@ -23,7 +23,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import kopf
@@ -183,23 +183,10 @@ async def _apply_children(
     base: dict[str, Any],
 ) -> Observed:
     kube = ctx.kube
-    pool_name = run.spec.rollout_pool_ref.name
-    pool_body = await _get(kube, ROLLOUTPOOLS, pool_name, ns)
-    if pool_body is None:
-        return Observed(**base, problem=("RolloutPoolNotFound", f'no RolloutPool "{pool_name}" in {ns}'))
     try:
-        pool = spec_model(RolloutPool, pool_body)
-    except ValidationError as exc:
-        return Observed(**base, problem=("InvalidRolloutPool", _first_error(exc)))
-    harness_name = pool.spec.harness_ref.name
-    harness_body = await _get(kube, HARNESSSPECS, harness_name, ns)
-    if harness_body is None:
-        return Observed(**base, problem=("HarnessSpecNotFound", f'no HarnessSpec "{harness_name}" in {ns}'))
-    try:
-        harness = spec_model(HarnessSpec, harness_body)
-    except ValidationError as exc:
-        return Observed(**base, problem=("InvalidHarnessSpec", _first_error(exc)))
-
+        pool, harness = await _pool_and_harness(kube, run, ns)
+    except _Unusable as exc:
+        return Observed(**base, problem=(exc.reason, exc.message))
     config_hash = render.config_sha256(run, pool, harness, ns)
     secret = await _get(kube, SECRETS, render.gateway_name(name), ns)
     token = render.admin_token_of(secret) or render.new_admin_token()
@@ -224,7 +211,49 @@ async def _apply_children(
         owner_uid=meta.get("uid"),
         finished=is_finished(current, observed),
     )
-    # Every child is tried even when one is refused, so one bad field does not hold up the rest.
+    applied, refused = await _apply_all(kube, children)
+    return dataclasses.replace(
+        observed,
+        gateway=applied.get("Deployment", live_gateway),
+        trainer=applied.get("StatefulSet"),
+        problem=("ApplyFailed", "; ".join(refused)) if refused else None,
+    )
+
+
+M = TypeVar("M", RolloutPool, HarnessSpec)
+
+
+class _Unusable(Exception):
+    """The run's RolloutPool or HarnessSpec is missing or invalid: (reason, message) for its status."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason, self.message = reason, message
+
+
+async def _pool_and_harness(kube: KubeClient, run: TrainingRun, ns: str) -> tuple[RolloutPool, HarnessSpec]:
+    """The run's RolloutPool and its HarnessSpec, or `_Unusable` saying why they cannot be had."""
+    pool = await _load(kube, ROLLOUTPOOLS, RolloutPool, run.spec.rollout_pool_ref.name, ns)
+    return pool, await _load(kube, HARNESSSPECS, HarnessSpec, pool.spec.harness_ref.name, ns)
+
+
+async def _load(kube: KubeClient, resource: Resource, model: type[M], name: str, ns: str) -> M:
+    """The named object as its spec model; `_Unusable` (`<Kind>NotFound`, `Invalid<Kind>`) if it cannot be."""
+    kind = model.__name__
+    body = await _get(kube, resource, name, ns)
+    if body is None:
+        raise _Unusable(f"{kind}NotFound", f'no {kind} "{name}" in {ns}')
+    try:
+        return spec_model(model, body)
+    except ValidationError as exc:
+        raise _Unusable(f"Invalid{kind}", _first_error(exc)) from None
+
+
+async def _apply_all(
+    kube: KubeClient, children: list[dict[str, Any]]
+) -> tuple[dict[str, Mapping[str, Any]], list[str]]:
+    """Apply every child, even when one is refused, so one bad field does not hold up the rest:
+    (the applied objects by kind, what was refused and why)."""
     applied: dict[str, Mapping[str, Any]] = {}
     refused: list[str] = []
     for child in children:
@@ -232,12 +261,7 @@ async def _apply_children(
             applied[child["kind"]] = await apply(kube, child)
         except KubeError as exc:
             refused.append(f"{child['kind']} {child['metadata']['name']}: {exc}")
-    return dataclasses.replace(
-        observed,
-        gateway=applied.get("Deployment", live_gateway),
-        trainer=applied.get("StatefulSet"),
-        problem=("ApplyFailed", "; ".join(refused)) if refused else None,
-    )
+    return applied, refused
 
 
 def _first_error(exc: ValidationError) -> str:

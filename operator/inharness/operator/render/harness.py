@@ -92,6 +92,7 @@ class PodContext:
     harness: HarnessSpecSpec
     settings: KubernetesPool
     gateway_url: str  # as the harness pods reach it: the run's gateway Service
+    lease_seconds: int = 0  # the attempts' lease: how long a finished Job may wait for a controller
 
     def labels(self) -> dict[str, str]:
         out = {**run_labels(self.run, "harness"), LABEL_POOL: self.pool}
@@ -121,10 +122,6 @@ class PodContext:
     @property
     def task_as_file(self) -> bool:
         return self.harness.task.file_env is not None
-
-    @property
-    def workload(self) -> str:
-        return self.settings.workload
 
 
 # --- batch objects -----------------------------------------------------------------------------------
@@ -309,3 +306,68 @@ def _grader_container(ctx: PodContext, attempt: ClaimedAttempt, mounts: list[Obj
     if h.working_dir is not None:
         container["workingDir"] = resolve_path(h.working_dir)
     return container
+
+
+# --- the Job workload --------------------------------------------------------------------------------
+
+JOB_DEADLINE_SLACK_SECONDS = 30
+
+
+def job_deadline(ctx: PodContext) -> int:
+    """activeDeadlineSeconds of an attempt's Job, a backstop for when no controller runs: a Job's
+    deadline counts from its start (after admission), scheduling and image pulls included, so it is
+    the pod's deadline plus both graces of the controller and a slack, and the pod's own deadline and
+    the controller's graces always come first (their failure reasons are the more precise)."""
+    s = ctx.settings
+    return (
+        pod_deadline(ctx.harness)
+        + s.unschedulable_grace_seconds
+        + s.image_pull_grace_seconds
+        + JOB_DEADLINE_SLACK_SECONDS
+    )
+
+
+POD_FAILURE_POLICY: Obj = {
+    "rules": [
+        # Named failures in the Job's Failed condition: a disruption (eviction, preemption) and any
+        # non-zero exit end the Job at once, whatever backoffLimit says.
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}},
+    ]
+}
+
+
+def harness_job(ctx: PodContext, attempt: ClaimedAttempt, batch: str) -> Obj:
+    """The Job of one attempt (`spec.kubernetes.workload: Job`): the pod of `harness_pod` as its
+    template, run once (backoffLimit 0: the gateway retries, as a new attempt), a backstop deadline
+    (`job_deadline`) and TTL (the pool's TTL plus the lease: by then no controller can report it any
+    more), `podFailurePolicy` so the Job's condition names a failure, and the Kueue queue label on the
+    Job, which is then created suspended: Kueue starts it when it admits it. The pod template carries
+    the attempt's labels (the controller watches pods by them), not the queue label (the pod is the
+    Job's, not one for Kueue's pod integration)."""
+    labels = _attempt_labels(attempt)
+    meta = ctx.meta(job_name(ctx.pool, attempt.id), labels)
+    template_labels = {k: v for k, v in meta["labels"].items() if k != KUEUE_QUEUE_LABEL}
+    spec: Obj = {
+        "backoffLimit": 0,
+        "activeDeadlineSeconds": job_deadline(ctx),
+        "ttlSecondsAfterFinished": ctx.settings.ttl_seconds_after_finished + ctx.lease_seconds,
+        "podFailurePolicy": POD_FAILURE_POLICY,
+        "template": {"metadata": {"labels": template_labels}, "spec": harness_pod_spec(ctx, attempt, batch)},
+    }
+    if ctx.settings.queue_name is not None:
+        spec["suspend"] = True
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
+
+
+def harness_workload(ctx: PodContext, attempt: ClaimedAttempt, batch: str) -> Obj:
+    """The object the controller creates for an attempt: its Pod, or its Job."""
+    if ctx.settings.workload == "Job":
+        return harness_job(ctx, attempt, batch)
+    return harness_pod(ctx, attempt, batch)
+
+
+def workload_name(ctx: PodContext, attempt_id: str) -> str:
+    return (
+        job_name(ctx.pool, attempt_id) if ctx.settings.workload == "Job" else pod_name(ctx.pool, attempt_id)
+    )

@@ -288,17 +288,13 @@ def _store_claim(meta: Obj, settings: RenderSettings) -> Obj:
     }
 
 
+def _service(meta: Obj, spec: Obj) -> Obj:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": spec}
+
+
 def _gateway_service(run: str, meta: Obj) -> Obj:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": meta,
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(run, "gateway"),
-            "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    ports = [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP"}]
+    return _service(meta, {"type": "ClusterIP", "selector": selector_labels(run, "gateway"), "ports": ports})
 
 
 def _gateway_args(run: TrainingRun, harness: HarnessSpec, pool: RolloutPool) -> list[str]:
@@ -375,21 +371,17 @@ def _gateway_deployment(
 
 
 def _trainer_service(run: str, meta: Obj) -> Obj:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": meta,
-        "spec": {
-            "clusterIP": "None",
-            # Peers (the gateway, Ray workers) resolve the pod before it is ready.
-            "publishNotReadyAddresses": True,
-            "selector": selector_labels(run, "trainer"),
-            "ports": [
-                {"name": "engine", "port": ENGINE_PORT, "targetPort": "engine", "protocol": "TCP"},
-                *({"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in RAY_PORTS),
-            ],
-        },
+    ports = [
+        {"name": "engine", "port": ENGINE_PORT, "targetPort": "engine", "protocol": "TCP"},
+        *({"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in RAY_PORTS),
+    ]
+    # Headless; peers (the gateway, Ray workers) resolve the pod before it is ready.
+    spec = {
+        "clusterIP": "None",
+        "publishNotReadyAddresses": True,
+        "selector": selector_labels(run, "trainer"),
     }
+    return _service(meta, {**spec, "ports": ports})
 
 
 def _trainer_container(run: TrainingRun, settings: RenderSettings) -> Obj:

@@ -29,6 +29,7 @@ import httpx
 from inharness.gateway.client import GatewayClient, GatewayError
 from inharness.gateway.schema import ClaimedAttempt
 from inharness.operator.rollouts.outcome import REWARD_MISSING, Outcome, fix_for, reason_key, without_reason
+from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
 
 _log = logging.getLogger(__name__)
 
@@ -74,6 +75,15 @@ async def retry(
 def gateway_transient(exc: Exception) -> bool:
     """A gateway error that may pass on another try: a 5xx or no answer at all."""
     return isinstance(exc, httpx.HTTPError) or (isinstance(exc, GatewayError) and exc.status >= 500)
+
+
+def pool_settings(pool: RolloutPoolSpec, harness: HarnessSpecSpec) -> dict[str, Any]:
+    """What a RolloutPool sets of its controller, whichever the backend: parallelism, lease, heartbeat."""
+    return {
+        "parallelism": pool.parallelism,
+        "lease_seconds": pool.lease_for(harness),
+        "heartbeat_seconds": pool.heartbeat_seconds,
+    }
 
 
 class RunnerFault(Exception):
@@ -184,6 +194,7 @@ class ClaimingController(ABC):
         self._streak: tuple[str, int] = ("", 0)  # (reason key, attempts in a row) failed with no call
         self._active: dict[asyncio.Task[None], Abort] = {}
         self._freed = asyncio.Event()  # an attempt task ended: a slot may be free
+        self.stopping = asyncio.Event()  # `run` is ending: running attempts are being aborted
         limit = self.gateway_concurrency
         self.gate: contextlib.AbstractAsyncContextManager[Any] = (
             asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
@@ -260,6 +271,7 @@ class ClaimingController(ABC):
             await self._claim_loop(stop, stopped)
         finally:
             stopped.cancel()
+            self.stopping.set()
             for abort in self._active.values():
                 abort.trigger("stopped")
             while self._active:

@@ -27,7 +27,14 @@ from typing import Any, Literal
 from inharness.gateway.client import GatewayClient
 from inharness.gateway.schema import ClaimedAttempt
 from inharness.operator.render.harness import KEY_PLACEHOLDER
-from inharness.operator.rollouts.base import Abort, ClaimingController, OnFinish, Outage, RunnerFault
+from inharness.operator.rollouts.base import (
+    Abort,
+    ClaimingController,
+    OnFinish,
+    Outage,
+    RunnerFault,
+    pool_settings,
+)
 from inharness.operator.rollouts.outcome import NoReward, Outcome, parse_result
 from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
 from inharness.procs import die_with_parent
@@ -89,9 +96,7 @@ class LocalRolloutController(ClaimingController):
         super().__init__(
             gateway,
             pool_name,
-            parallelism=pool.parallelism,
-            lease_seconds=pool.lease_for(harness),
-            heartbeat_seconds=pool.heartbeat_seconds,
+            **pool_settings(pool, harness),
             log=log,
             on_finish=on_finish,
             max_consecutive_failures=max_consecutive_failures,

@@ -403,8 +403,8 @@ POD_RULES: list[Rule] = [
             f"PodFailed: {f.pod_reason or 'PodFailed'}: {tail(f.pod_message)}", **f.info
         ),
     ),
-    # The Job workload: the Job failed with no pod left to read (its pod never started, or is gone).
-    Rule("JobFailed", lambda f: f.job_failed is not None and (f.phase is None or f.deleted), _job_failed),
+    # The Job workload: the Job failed and no pod of it was ever seen (it could not create one).
+    Rule("JobFailed", lambda f: f.job_failed is not None and f.phase is None and not f.deleted, _job_failed),
     Rule("PodDeleted", lambda f: f.deleted, _deleted),
     Rule(
         "InvalidImageName",
