@@ -41,7 +41,39 @@ $(CHECKOV_STAMP):
 
 checkov: $(CHECKOV_STAMP)
 
-test: $(STAMP) $(CHECKOV_STAMP)
+# The real harnesses, pinned, installed from npm and PyPI into .cache/harnesses (removed by `make clean`):
+# tests/harnesses/ runs each unmodified under `inharness run` (docs/harnesses.md).
+HARNESS_DIR       := .cache/harnesses
+CODEX_VERSION     := 0.169.0
+CLAUDE_VERSION    := 2.1.328
+MINI_SWE_VERSION  := 2.4.6
+CODEX_STAMP       := $(HARNESS_DIR)/codex/.installed-$(CODEX_VERSION)
+CLAUDE_STAMP      := $(HARNESS_DIR)/claude-code/.installed-$(CLAUDE_VERSION)
+MINI_SWE_STAMP    := $(HARNESS_DIR)/mini-swe-agent/.installed-$(MINI_SWE_VERSION)
+
+$(CODEX_STAMP):
+	@command -v npm >/dev/null || { echo "need npm (node 20+) on PATH"; exit 1; }
+	rm -rf $(HARNESS_DIR)/codex
+	npm install --prefix $(HARNESS_DIR)/codex --no-save --no-fund --no-audit --loglevel=error @openai/codex@$(CODEX_VERSION)
+	touch $@
+
+$(CLAUDE_STAMP):
+	@command -v npm >/dev/null || { echo "need npm (node 20+) on PATH"; exit 1; }
+	rm -rf $(HARNESS_DIR)/claude-code
+	npm install --prefix $(HARNESS_DIR)/claude-code --no-save --no-fund --no-audit --loglevel=error @anthropic-ai/claude-code@$(CLAUDE_VERSION)
+	touch $@
+
+$(MINI_SWE_STAMP):
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
+	rm -rf $(HARNESS_DIR)/mini-swe-agent
+	$(PY) -m venv $(HARNESS_DIR)/mini-swe-agent
+	$(HARNESS_DIR)/mini-swe-agent/bin/pip install -q mini-swe-agent==$(MINI_SWE_VERSION)
+	touch $@
+
+.PHONY: harnesses
+harnesses: $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP)
+
+test: $(STAMP) $(CHECKOV_STAMP) $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
@@ -93,4 +125,4 @@ e2e:
 	TAG=$(TAG) tools/e2e.sh
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) $(HARNESS_DIR) .pytest_cache .ruff_cache

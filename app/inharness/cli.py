@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal, get_args, get_origin
 
 from inharness.engine import DEFAULT_PORT as ENGINE_PORT
+from inharness.engine import TINY_CONTEXT
 from inharness.run import DEFAULT_MAX_CONSECUTIVE_FAILURES
 
 GATEWAY_ENV_PREFIX = "INHARNESS_GATEWAY_"
@@ -63,12 +64,19 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 def _init_tiny_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--context",
+        type=_at_least(16),
+        default=TINY_CONTEXT,
+        help=f"context in tokens (default {TINY_CONTEXT}; real harnesses' first prompts "
+        "take 10-25k tokens of this tokenizer: 65536 fits them)",
+    )
 
 
 def _init_tiny(args: argparse.Namespace) -> int:
     from inharness.engine.tiny import init_tiny
 
-    print(init_tiny(args.dir, seed=args.seed))
+    print(init_tiny(args.dir, seed=args.seed, context=args.context))
     return 0
 
 
@@ -76,6 +84,9 @@ def _init_tiny(args: argparse.Namespace) -> int:
 
 
 def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    from inharness.engine import auth  # no torch: `--help` stays fast
+    from inharness.engine.script import SCRIPT_ENV
+
     p.add_argument("--model", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=ENGINE_PORT)
@@ -86,12 +97,47 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="torch intra-op threads (default: torch's, one per core); 1 where harnesses share the cores",
     )
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=_at_least(0),
+        default=None,
+        help="prefix cache size in tokens (0: off; default: the model's context)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=_at_least(1),
+        default=16,
+        help="rows decoded together (default 16; 1: no batching)",
+    )
+    p.add_argument(
+        "--script",
+        default=None,
+        help=f"answer with the scripted completions of this JSON file (default: ${SCRIPT_ENV}; "
+        "docs/harnesses.md)",
+    )
+    auth.add_arguments(p)
 
 
 def _engine(args: argparse.Namespace) -> int:
+    from inharness.engine.auth import AuthError
     from inharness.engine.server import serve
 
-    serve(args.model, args.host, args.port, served_model_name=args.served_model_name, threads=args.threads)
+    try:
+        serve(
+            args.model,
+            args.host,
+            args.port,
+            served_model_name=args.served_model_name,
+            threads=args.threads,
+            prefix_cache_tokens=args.prefix_cache_tokens,
+            max_batch=args.max_batch,
+            script=args.script,
+            api_key_file=args.api_key_file,
+            weights_root=args.weights_root,
+        )
+    except AuthError as exc:
+        print(f"inharness engine: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -157,7 +203,7 @@ def _gateway(args: argparse.Namespace) -> int:
     if "model" not in values:
         print(f"inharness gateway: --model (or {GATEWAY_ENV_PREFIX}MODEL) is required", file=sys.stderr)
         return 2
-    if "admin_token" not in values:
+    if "admin_token" not in values and "admin_token_file" not in values:
         values["admin_token"] = secrets.token_hex(24)
         print(f"no --admin-token given; generated one for this run: {values['admin_token']}", file=sys.stderr)
     try:
@@ -314,16 +360,36 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         default=_env("INHARNESS_ENGINE_URL"),
         help="this engine as the gateway reaches it (default: http://127.0.0.1:<engine port>)",
     )
+    p.add_argument(
+        "--admin-token-file",
+        default=_env("INHARNESS_GATEWAY_ADMIN_TOKEN_FILE"),
+        help="file holding the gateway's admin token (or INHARNESS_GATEWAY_ADMIN_TOKEN_FILE; "
+        "else env INHARNESS_GATEWAY_ADMIN_TOKEN)",
+    )
+    p.add_argument(
+        "--engine-api-key-file",
+        default=_env("INHARNESS_ENGINE_API_KEY_FILE"),
+        help="file holding the engine's API key, which the gateway sends too (or "
+        "INHARNESS_ENGINE_API_KEY_FILE; none: the engine takes no key)",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
+    from inharness.engine.auth import AuthError, read_key_file
     from inharness.train import train_file
 
     token = _env("INHARNESS_GATEWAY_ADMIN_TOKEN")
+    if args.admin_token_file:
+        try:
+            token = read_key_file(args.admin_token_file)
+        except AuthError as exc:
+            where = "--admin-token-file (INHARNESS_GATEWAY_ADMIN_TOKEN_FILE)"
+            print(f"inharness train: no admin token from {where}: {exc}", file=sys.stderr)
+            return 2
     if not args.gateway_url or not token:
         print(
-            "inharness train: needs --gateway-url (or INHARNESS_GATEWAY_URL) "
-            "and INHARNESS_GATEWAY_ADMIN_TOKEN",
+            "inharness train: needs --gateway-url (or INHARNESS_GATEWAY_URL) and the admin token "
+            "(--admin-token-file, INHARNESS_GATEWAY_ADMIN_TOKEN_FILE or INHARNESS_GATEWAY_ADMIN_TOKEN)",
             file=sys.stderr,
         )
         return 2
@@ -335,6 +401,7 @@ def _train(args: argparse.Namespace) -> int:
         engine_url=args.engine_url or f"http://127.0.0.1:{args.engine_port}",
         engine_host=args.engine_host,
         engine_port=args.engine_port,
+        engine_api_key_file=Path(args.engine_api_key_file) if args.engine_api_key_file else None,
     )
 
 
@@ -403,8 +470,8 @@ COMMANDS: tuple[Command | Group, ...] = (
         "the trainer of a TrainingRun on a cluster, against the run's gateway (what the operator runs)",
         _train_arguments,
         _train,
-        description="Resumes from the last checkpoint in --out. The admin token comes from env "
-        "INHARNESS_GATEWAY_ADMIN_TOKEN.",
+        description="Resumes from the last checkpoint in --out. The admin token comes from "
+        "--admin-token-file (INHARNESS_GATEWAY_ADMIN_TOKEN_FILE) or env INHARNESS_GATEWAY_ADMIN_TOKEN.",
     ),
 )
 

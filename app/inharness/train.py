@@ -6,6 +6,11 @@ RolloutPool controller's pods; this process runs the engine beside the training 
 each version under INHARNESS_ENGINE_URL (its address as the gateway dials it) and posts progress
 after every step, which the operator shows in the TrainingRun's status.
 
+The engine is started with the run's engine API key (`--engine-api-key-file`, the run Secret's
+`engine-api-key` as mounted by the operator; the gateway holds the same key) and with its weights
+root at the directory the loop saves each version to, so that no other pod can generate with the
+policy or make the engine load weights from elsewhere (`inharness.engine.auth`).
+
 The same pieces as `inharness run` (run.py): the spec file (the ConfigMap's run.yaml), the policy
 and the loop. A restarted pod always resumes from the last checkpoint in --out. Relative paths of
 the spec resolve against the working directory (/workspace in the pod).
@@ -80,6 +85,7 @@ async def _train(
     engine_host: str,
     engine_port: int,
     sha: str,
+    engine_api_key_file: Path | None,
 ) -> int:
     from inharness.gateway.client import GatewayClient
 
@@ -87,6 +93,9 @@ async def _train(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    from inharness.engine.auth import read_key_file
+
+    engine_api_key = None if engine_api_key_file is None else read_key_file(engine_api_key_file)
     try:
         if not await _wait_for_gateway(gateway_url, stop):
             print(f"inharness train: the gateway at {gateway_url} did not answer", file=sys.stderr)
@@ -96,14 +105,16 @@ async def _train(
             if loaded is None:
                 return 1
             argv = ["engine", "--model", str(loaded.serve_path), "--host", engine_host]
-            argv += ["--port", str(engine_port)]
+            argv += ["--port", str(engine_port), "--weights-root", str(loaded.rd.weights)]
+            if engine_api_key_file is not None:
+                argv += ["--api-key-file", str(engine_api_key_file)]
             engine = ServerProcess.inharness(
                 argv, port=engine_port, log=loaded.rd.logs / "engine.log", health="/health"
             )
             try:
                 engine.spawn()  # from the event loop's thread: the engine dies with this process
                 await asyncio.to_thread(engine.wait_healthy)
-                return await _run(loaded, gw, engine_url, sha, stop)
+                return await _run(loaded, gw, engine_url, sha, stop, engine_api_key)
             finally:
                 await asyncio.to_thread(engine.stop)
     finally:
@@ -154,7 +165,14 @@ async def _load(config: Path, out: Path, gw: "GatewayClient", sha: str) -> _Load
     return _Loaded(specs, tasks, rd, policy, state, serve_path)
 
 
-async def _run(loaded: _Loaded, gw: "GatewayClient", engine_url: str, sha: str, stop: asyncio.Event) -> int:
+async def _run(
+    loaded: _Loaded,
+    gw: "GatewayClient",
+    engine_url: str,
+    sha: str,
+    stop: asyncio.Event,
+    engine_api_key: str | None,
+) -> int:
     """Serve the first version, train to the last step, then wait to be scaled down."""
     from inharness.trainer.config import loop_config
     from inharness.trainer.loop import NoTrainableSamples, TrainingLoop
@@ -169,6 +187,7 @@ async def _run(loaded: _Loaded, gw: "GatewayClient", engine_url: str, sha: str, 
         config=loop_config(loaded.specs, config_sha256=sha),
         run_dir=loaded.rd,
         state=state,
+        engine_api_key=engine_api_key,
     )
     if state.step >= steps:
         await training.report("complete")
@@ -196,13 +215,22 @@ def train_file(
     engine_url: str,
     engine_host: str,
     engine_port: int,
+    engine_api_key_file: Path | None = None,
 ) -> int:
+    from inharness.engine.auth import AuthError, read_key_file
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sha = hashlib.sha256(config.read_bytes()).hexdigest()
     except OSError as exc:
         print(f"inharness train: cannot read {config}: {exc}", file=sys.stderr)
         return 2
+    if engine_api_key_file is not None:
+        try:
+            read_key_file(engine_api_key_file)  # fail here, not once the engine starts
+        except AuthError as exc:
+            print(f"inharness train: {exc}", file=sys.stderr)
+            return 2
     return asyncio.run(
         _train(
             config,
@@ -213,5 +241,6 @@ def train_file(
             engine_host=engine_host,
             engine_port=engine_port,
             sha=sha,
+            engine_api_key_file=engine_api_key_file,
         )
     )

@@ -310,6 +310,7 @@ OPERATOR_NEEDS: list[tuple[str, str, tuple[str, ...]]] = [
     ("", "persistentvolumeclaims", ("get", "create", "patch")),
     ("apps", "deployments", ("get", "create", "patch")),
     ("apps", "statefulsets", ("get", "create", "patch")),
+    ("networking.k8s.io", "networkpolicies", ("get", "create", "patch")),
     ("", "pods", ("get", "list", "watch", "create", "delete")),
     ("batch", "jobs", ("list", "watch", "create", "delete")),
     ("", "events", ("create", "patch")),
@@ -394,15 +395,14 @@ def test_rbac_table_covers_every_kube_call_the_operator_code_makes() -> None:
 
 
 def test_rbac_table_covers_creating_and_patching_every_child_the_operator_renders() -> None:
-    from inharness.operator import kube
+    from inharness.operator.trainingruns import RESOURCES  # the API resource of each kind it applies
 
-    plural = {v.plural: v for v in vars(kube).values() if isinstance(v, kube.Resource)}
     children = render.render_children(*example_specs(), settings=SETTINGS, admin_token="t")
+    assert "NetworkPolicy" in {c["kind"] for c in children}
     for child in children:
         group = child["apiVersion"].rpartition("/")[0]
-        res = next(
-            r for r in plural.values() if r.group == group and r.plural.startswith(child["kind"].lower())
-        )
+        res = RESOURCES[child["kind"]]
+        assert res.api_version == child["apiVersion"], child["kind"]
         for verb in ("get", "create", "patch"):
             assert (group, res.plural, verb) in NEEDED, f"{child['kind']}: {verb}"
 

@@ -1,6 +1,7 @@
 """What the operator creates for a TrainingRun: names, labels, owner references, pod overrides,
-restricted pod security, GPUs, suspend, determinism; every object checked against Kubernetes' own
-schemas (kubernetes-validate) at the oldest and newest versions the chart claims."""
+restricted pod security, GPUs, suspend, determinism, resources, probes, secrets as files and the
+run's NetworkPolicies; every object checked against Kubernetes' own schemas (kubernetes-validate) at
+the oldest and newest versions the chart claims."""
 
 import base64
 import copy
@@ -18,7 +19,7 @@ from inharness import cli
 from inharness.gateway.schema import ClaimedAttempt
 from inharness.operator import render
 from inharness.operator.render import RenderSettings, harness, render_children
-from inharness.operator.spec import TrainingRun
+from inharness.operator.spec import HarnessSpecSpec, PodOverrides, TrainingRun
 from inharness.operator.specfile import Specs, load_specs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,13 +84,19 @@ def test_children_are_named_by_the_contract(specs: Specs) -> None:
         "Deployment/calc-gateway",
         "Service/calc-trainer",
         "StatefulSet/calc-trainer",
+        "NetworkPolicy/calc-trainer",
+        "NetworkPolicy/calc-gateway",
+        "NetworkPolicy/calc-harness",
     }
+    off = SETTINGS.model_copy(update={"network_policies": False})
+    assert not [k for k in children(specs, settings=off) if k.startswith("NetworkPolicy/")]
 
 
 def test_every_child_and_pod_carries_the_recommended_labels_and_the_namespace(specs: Specs) -> None:
     objs = children(specs, settings=SETTINGS.model_copy(update={"namespace": "team-a"}))
     for key, obj in objs.items():
         component = "trainer" if key in ("ConfigMap/calc-config",) or "trainer" in key else "gateway"
+        component = "network-policy" if key.startswith("NetworkPolicy/") else component
         assert obj["metadata"]["namespace"] == "team-a", key
         assert obj["metadata"]["labels"] == {
             "app.kubernetes.io/name": "inharness",
@@ -145,6 +152,9 @@ def test_the_secret_holds_the_token_and_reads_back(specs: Specs) -> None:
     assert render.admin_token_of(None) is None
     assert render.admin_token_of({"data": {}}) is None
     assert render.admin_token_of({"data": {"admin-token": "not base64!"}}) is None
+    engine_key = base64.b64decode(secret["data"]["engine-api-key"]).decode()
+    assert engine_key == render.engine_api_key_for(TOKEN) and len(engine_key) == 64
+    assert engine_key != TOKEN and render.engine_api_key_for("another-token-abcdefgh") != engine_key
     assert len(render.new_admin_token()) >= 32 and render.new_admin_token() != render.new_admin_token()
 
 
@@ -174,10 +184,9 @@ def test_gateway_runs_flags_the_gateway_accepts_with_the_token_from_the_secret(s
     assert (args.host, args.port) == ("0.0.0.0", 8000)
     assert args.served_model_name == "calc-policy"
     assert args.max_attempts == specs.rollout_pool.spec.max_attempts_per_rollout
-    assert args.admin_token is None  # never on the command line
-    assert env_of(c)["INHARNESS_GATEWAY_ADMIN_TOKEN"] == {
-        "secretKeyRef": {"name": "calc-gateway", "key": "admin-token"}
-    }
+    assert args.admin_token is None  # never on the command line, nor in an env var: in files
+    assert args.admin_token_file == f"{render.SECRETS_DIR}/admin-token"
+    assert args.engine_api_key_file == f"{render.SECRETS_DIR}/engine-api-key"
     assert {m["mountPath"]: m["name"] for m in c["volumeMounts"]}[render.STORE_DIR] == "store"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
@@ -282,9 +291,10 @@ def test_pod_overrides_are_applied_on_gateway_and_trainer(specs: Specs) -> None:
         env = env_of(c)
         assert env["HOME"] == "/home/rl" and env["EXTRA"] == "1"
         assert [e["name"] for e in c["env"]].count("HOME") == 1
-        assert "INHARNESS_GATEWAY_ADMIN_TOKEN" in env  # ours stay
+        assert {"name": "secrets", "mountPath": render.SECRETS_DIR, "readOnly": True} in c["volumeMounts"]
         assert c["resources"]["requests"] == {**c["resources"]["requests"], "cpu": "2", "memory": "8Gi"}
         assert c["resources"]["limits"]["memory"] == "16Gi"
+        assert c["resources"]["limits"]["cpu"]  # the defaults not overridden stay
         assert {"name": "models", "mountPath": "/workspace/model", "readOnly": True} in c["volumeMounts"]
         assert {"name": "models", "persistentVolumeClaim": {"claimName": "models"}} in spec["volumes"]
         assert c["securityContext"]["allowPrivilegeEscalation"] is False  # not overridable
@@ -455,3 +465,218 @@ def test_harness_pods_and_jobs_are_valid_kubernetes(specs: Specs, k8s_version: s
                     f"{obj['kind']} is not valid at Kubernetes {k8s_version}: "
                     f"{exc.message} at {list(exc.path)}"
                 )
+
+
+# --- secrets as files, resources, probes, read-only roots ---------------------------------------------
+
+
+def test_the_run_secret_reaches_gateway_and_trainer_as_files_only(specs: Specs) -> None:
+    objs = children(specs)
+    for key in ("Deployment/calc-gateway", "StatefulSet/calc-trainer"):
+        pod = pod_specs(objs)[key]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["secrets"]["secret"] == {"secretName": "calc-gateway", "defaultMode": 0o440}, key
+        c = container(objs, key)
+        assert {"name": "secrets", "mountPath": render.SECRETS_DIR, "readOnly": True} in c["volumeMounts"]
+        assert not [e for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})], key
+    args = cli.parser().parse_args(container(objs, "StatefulSet/calc-trainer")["args"])
+    assert args.admin_token_file == f"{render.SECRETS_DIR}/admin-token"
+    assert args.engine_api_key_file == f"{render.SECRETS_DIR}/engine-api-key"
+
+
+def test_gateway_and_trainer_have_read_only_roots_and_writable_volumes(specs: Specs) -> None:
+    objs = children(specs)
+    for key in ("Deployment/calc-gateway", "StatefulSet/calc-trainer"):
+        c = container(objs, key)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, key
+        assert env_of(c)["HOME"] == "/tmp"
+        mounts = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+        assert "/tmp" in mounts and (render.STORE_DIR in mounts or render.TRAINER_DIR in mounts)
+    pod, _ = harness_objects(specs)
+    # an unmodified agent may write wherever its image lets it (checkov-skips.yaml: CKV_K8S_22)
+    assert "readOnlyRootFilesystem" not in pod["spec"]["containers"][0]["securityContext"]
+
+
+def test_the_trainer_is_probed_for_liveness_after_a_long_startup(specs: Specs) -> None:
+    c = container(children(specs), "StatefulSet/calc-trainer")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "engine"}, probe
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800  # gateway wait and model load
+
+
+def test_every_child_has_cpu_and_memory_requests_and_limits_by_default(specs: Specs) -> None:
+    objs = children(specs, with_spec(specs, trainer={"gpus": 0}))
+    assert container(objs, "Deployment/calc-gateway")["resources"] == {
+        "requests": {"cpu": "500m", "memory": "1Gi"},
+        "limits": {"cpu": "2", "memory": "4Gi"},
+    }
+    assert container(objs, "StatefulSet/calc-trainer")["resources"] == {
+        "requests": {"cpu": "1", "memory": "4Gi"},
+        "limits": {"cpu": "4", "memory": "16Gi"},
+    }
+    gpu = container(children(specs, with_spec(specs, trainer={"gpus": 2})), "StatefulSet/calc-trainer")
+    assert gpu["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi"},
+        "limits": {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": "2"},
+    }
+    pod, job = harness_objects(specs)
+    for spec in (pod["spec"], job["spec"]["template"]["spec"]):
+        assert spec["containers"][0]["resources"] == {
+            "requests": {"cpu": "250m", "memory": "512Mi"},
+            "limits": {"cpu": "2", "memory": "4Gi"},
+        }
+
+
+def test_a_request_above_a_default_limit_raises_that_limit(specs: Specs) -> None:
+    pod = {"resources": {"requests": {"cpu": "6", "memory": "2Gi"}}}
+    c = container(children(specs, with_spec(specs, gateway={"pod": pod})), "Deployment/calc-gateway")
+    assert c["resources"] == {
+        "requests": {"cpu": "6", "memory": "2Gi"},
+        "limits": {"cpu": "6", "memory": "4Gi"},  # cpu raised to the request, memory's default kept
+    }
+    own = {"resources": {"requests": {"cpu": "6"}, "limits": {"cpu": "3"}}}  # the user's own: as written
+    c = container(children(specs, with_spec(specs, gateway={"pod": own})), "Deployment/calc-gateway")
+    assert c["resources"]["limits"]["cpu"] == "3"
+
+
+def test_harness_resources_come_from_the_harness_spec_then_the_pool(specs: Specs) -> None:
+    own = {"requests": {"memory": "8Gi"}, "limits": {"cpu": "4"}}
+    doc = specs.harness.spec.model_dump(mode="json", by_alias=True)
+    plain = HarnessSpecSpec.model_validate({**doc, "resources": own})
+    graded = HarnessSpecSpec.model_validate(
+        {**doc, "resources": own, "outcome": {"type": "grader", "grader": {"command": ["grade"]}}}
+    )
+    attempt = ClaimedAttempt(
+        id="att-1", rollout_id="r1", group_id="g", seq=0, task={}, token="k", lease_expires_at=0
+    )
+
+    def containers(spec: HarnessSpecSpec, pool_pod: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        pool = specs.rollout_pool.spec.kubernetes.model_copy(
+            update={"pod": PodOverrides.model_validate(pool_pod) if pool_pod else None}
+        )
+        ctx = harness.PodContext("team", "calc", "calc-pool", UID, spec, pool, "http://calc-gateway:8000")
+        pod = harness.harness_pod_spec(ctx, attempt, "b1")
+        return [*pod.get("initContainers", []), *pod["containers"]]
+
+    for spec in (plain, graded):
+        for c in containers(spec):
+            assert c["resources"] == {
+                "requests": {"cpu": "250m", "memory": "8Gi"},
+                "limits": {"cpu": "4", "memory": "8Gi"},  # memory raised to the HarnessSpec's request
+            }, c["name"]
+        for c in containers(spec, {"resources": {"requests": {"cpu": "1"}, "limits": {"memory": "12Gi"}}}):
+            assert c["resources"] == {
+                "requests": {"cpu": "1", "memory": "8Gi"},
+                "limits": {"cpu": "4", "memory": "12Gi"},  # the pool's over the HarnessSpec's
+            }, c["name"]
+
+
+@pytest.mark.parametrize(
+    ("quantity", "value"),
+    [
+        ("500m", "0.5"),
+        ("2", "2"),
+        (3, "3"),
+        ("1Gi", str(2**30)),
+        ("1G", "1e9"),
+        ("1e3", "1000"),
+        ("2E", "2e18"),
+    ],
+)
+def test_quantities_compare_as_kubernetes_reads_them(quantity: str | int, value: str) -> None:
+    from decimal import Decimal
+
+    assert render.pods.quantity_value(quantity) == Decimal(value)
+
+
+# --- the run's NetworkPolicies -------------------------------------------------------------------------
+
+
+def policies(specs: Specs, **settings: Any) -> dict[str, dict[str, Any]]:
+    objs = children(
+        specs, owner_uid=UID, settings=SETTINGS.model_copy(update={"namespace": "team-a", **settings})
+    )
+    return {k.removeprefix("NetworkPolicy/"): o for k, o in objs.items() if k.startswith("NetworkPolicy/")}
+
+
+def run_pods(component: str) -> dict[str, Any]:
+    return {
+        "podSelector": {
+            "matchLabels": {
+                "app.kubernetes.io/name": "inharness",
+                "app.kubernetes.io/instance": "calc",
+                "app.kubernetes.io/component": component,
+            }
+        }
+    }
+
+
+def test_network_policies_live_beside_the_run_and_are_owned_by_it(specs: Specs) -> None:
+    found = policies(specs)
+    assert set(found) == {"calc-trainer", "calc-gateway", "calc-harness"}
+    for policy in found.values():
+        assert policy["metadata"]["namespace"] == "team-a"
+        assert policy["metadata"]["ownerReferences"][0]["kind"] == "TrainingRun"
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == UID
+
+
+def test_the_trainer_accepts_the_engine_port_from_the_run_gateway_and_its_own_pods_only(specs: Specs) -> None:
+    spec = policies(specs)["calc-trainer"]["spec"]
+    assert spec["podSelector"] == run_pods("trainer")["podSelector"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert spec["ingress"] == [
+        {"from": [run_pods("gateway")], "ports": [{"protocol": "TCP", "port": 8001}]},
+        {"from": [run_pods("trainer")]},  # Ray between the run's trainer pods, on the ports Ray picks
+    ]
+
+
+def test_the_gateway_accepts_the_run_harness_trainer_and_operator(specs: Specs) -> None:
+    extra = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    spec = policies(specs, operator_namespace="inharness-system", extra_gateway_ingress=[extra])[
+        "calc-gateway"
+    ]["spec"]
+    assert spec["podSelector"] == run_pods("gateway")["podSelector"]
+    [rule] = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    operator = {
+        "podSelector": {
+            "matchLabels": {"app.kubernetes.io/name": "inharness", "app.kubernetes.io/component": "operator"}
+        },
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "inharness-system"}},
+    }
+    assert rule["from"] == [run_pods("harness"), run_pods("trainer"), operator, extra]
+
+
+def test_harness_pods_reach_only_the_run_gateway_and_dns(specs: Specs) -> None:
+    spec = policies(specs, dns_pod_labels={})["calc-harness"]["spec"]
+    assert spec["podSelector"] == run_pods("harness")["podSelector"]
+    assert spec["policyTypes"] == ["Egress"]
+    dns = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}}
+    assert spec["egress"] == [
+        {"to": [run_pods("gateway")], "ports": [{"protocol": "TCP", "port": 8000}]},
+        {"to": [dns], "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]},
+    ]
+    pod, _ = harness_objects(specs)  # the policy selects the run's harness pods
+    labels = pod["metadata"]["labels"]
+    assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_network_policy_settings_come_from_the_chart_env() -> None:
+    settings = RenderSettings.from_env(
+        {
+            "INHARNESS_NETWORK_POLICIES": "false",
+            "INHARNESS_OPERATOR_NAMESPACE": "ops",
+            "INHARNESS_OPERATOR_POD_LABELS": '{"app": "op"}',
+            "INHARNESS_DNS_NAMESPACE": "dns",
+            "INHARNESS_DNS_POD_LABELS": "{}",
+            "INHARNESS_EXTRA_GATEWAY_INGRESS": '[{"ipBlock": {"cidr": "10.0.0.0/8"}}]',
+        }
+    )
+    assert settings.network_policies is False and settings.operator_namespace == "ops"
+    assert settings.operator_pod_labels == {"app": "op"} and settings.dns_namespace == "dns"
+    assert settings.dns_pod_labels == {} and settings.extra_gateway_ingress == [
+        {"ipBlock": {"cidr": "10.0.0.0/8"}}
+    ]
+    default = RenderSettings.from_env({})
+    assert default.network_policies is True and default.operator_namespace is None

@@ -294,9 +294,9 @@ async def test_key_in_path_puts_the_secret_key_into_the_base_url_by_reference_an
         pod = next(iter(pods.values()))
         assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"  # Kueue's pod integration
         container = pod["spec"]["containers"][0]
-        assert container["resources"] == {
+        assert container["resources"] == {  # the pool's values win; the default CPU limit stays
             "requests": {"cpu": "500m", "memory": "1Gi"},
-            "limits": {"memory": "1Gi"},
+            "limits": {"cpu": "2", "memory": "1Gi"},
         }
         assert pod["spec"]["nodeSelector"] == {"pool": "harness"}
         assert {"name": "EXTRA", "value": "1"} in container["env"]

@@ -55,6 +55,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: tuple[str, ...] = ()  # stop strings: end a choice once its text contains one
     n: int = 1
+    # Scripted mode (``inharness.engine.script``): every choice emits exactly these tokens, each with the
+    # model's logprob of it under this temperature (what sampling it would have reported), instead of
+    # sampling; stop tokens, stop strings and max_tokens end it as they would a sampled choice.
+    forced: tuple[int, ...] = ()
 
 
 @dataclass
@@ -251,7 +255,10 @@ class _Request:
         way whichever choices are still running. A set ``cancel`` ends the unfinished ones with "abort".
         """
         params = self.params
-        picked, picked_logp = _sample(logits, params, self.generator)
+        if params.forced:
+            picked, picked_logp = self._forced(logits)
+        else:
+            picked, picked_logp = _sample(logits, params, self.generator)
         for i in range(params.n):
             if self.finish[i] is not None:
                 continue
@@ -272,6 +279,17 @@ class _Request:
         if not self.done and self.cancel is not None and self.cancel.is_set():
             self.finish = [f if f is not None else "abort" for f in self.finish]
         return picked
+
+    def _forced(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scripted token of each row (its next one; the last again once the script is spent: only a
+        finished row gets there) and the model's logprob of it, by ``_sample``'s convention."""
+        forced = self.params.forced
+        picked = torch.tensor(
+            [forced[min(len(tokens), len(forced) - 1)] for tokens in self.tokens], device=logits.device
+        )
+        scaled = logits.float() / self.params.temperature if self.params.temperature else logits.float()
+        logp = torch.log_softmax(scaled, dim=-1)
+        return picked, logp.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
 
     def result(self) -> list[Completion]:
         return [

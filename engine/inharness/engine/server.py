@@ -8,9 +8,9 @@ prefixes (see ``sampling``); streamed tokens cross back to the event loop throug
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
+import os
 import threading
 import time
 import uuid
@@ -33,10 +33,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from inharness.engine import DEFAULT_PORT
+from inharness.engine import auth
 from inharness.engine.sampling import Completion, SamplingParams, Scheduler, validate
+from inharness.engine.script import SCRIPT_ENV, Scripts
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+DEFAULT_PREFIX_CACHE_TOKENS = 4096  # the smallest default prefix cache (4 KiB of KV per token, tiny model)
 Number = StrictFloat | StrictInt
 
 
@@ -103,6 +105,7 @@ class EngineState:
     eos_token_id: int | None
     extra_eos_ids: list[int] = field(default_factory=list)
     device: str = "cpu"
+    script: Scripts | None = None  # scripted mode: answers taken from a script (inharness.engine.script)
     requests: int = 0
     aborted: int = 0
     weight_loads: int = 0
@@ -130,8 +133,9 @@ def _load(
     model_dir: str,
     served_model_name: str | None,
     device: str | None,
-    prefix_cache_tokens: int,
+    prefix_cache_tokens: int | None,
     max_batch: int,
+    script: str | None = None,
 ) -> EngineState:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -144,16 +148,21 @@ def _load(
     if gen_eos is not None:
         eos_ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
     primary = tokenizer.eos_token_id
+    context = int(model.config.max_position_embeddings)
+    if prefix_cache_tokens is None:
+        prefix_cache_tokens = max(DEFAULT_PREFIX_CACHE_TOKENS, context)
+    scripts = None if script is None else Scripts.load(script, tokenizer, int(model.config.vocab_size))
     return EngineState(
         model=model,
         scheduler=Scheduler(model, prefix_cache_tokens=prefix_cache_tokens, max_batch=max_batch),
         tokenizer=tokenizer,
         name=served_model_name or Path(model_dir).name,
         root=str(model_dir),
-        max_model_len=int(model.config.max_position_embeddings),
+        max_model_len=context,
         eos_token_id=primary,
         extra_eos_ids=[t for t in eos_ids if t != primary],
         device=device,
+        script=scripts,
     )
 
 
@@ -204,6 +213,7 @@ def _prepare(state: EngineState, req: CompletionRequest) -> _Job:
         seed=req.seed,
         stop_token_ids=list(dict.fromkeys(stop)),
         n=req.n,
+        forced=() if state.script is None else state.script.tokens_for(prompt_ids),
     )
     try:
         validate(state.model, prompt_ids, params)
@@ -390,17 +400,25 @@ def create_app(
     *,
     served_model_name: str | None = None,
     device: str | None = None,
-    prefix_cache_tokens: int = 4096,
+    prefix_cache_tokens: int | None = None,
     max_batch: int = 16,
+    script: str | None = None,
+    api_key: str | None = None,
+    weights_root: str | None = None,
 ) -> FastAPI:
     """Load the model and tokenizer from ``model_dir`` (eagerly: /health is 200 once this returns).
 
-    ``prefix_cache_tokens`` bounds the prefix cache (0: off), ``max_batch`` the rows decoded together (1: one
-    request at a time); see ``Scheduler``.
+    ``prefix_cache_tokens`` bounds the prefix cache (0: off; default: the model's context, at least
+    ``DEFAULT_PREFIX_CACHE_TOKENS``, so that a real harness's 10-30k-token prompt is cached for its next turn
+    and for the other attempts that share its system prompt), ``max_batch`` the rows decoded together (1: one
+    request at a time); see ``Scheduler``. ``script``: a file of scripted completions to answer with
+    (``inharness.engine.script``). ``api_key``: every route but /health needs it as a bearer token;
+    ``weights_root``: load_weights only from under it (``inharness.engine.auth``).
     """
-    state = _load(model_dir, served_model_name, device, prefix_cache_tokens, max_batch)
+    state = _load(model_dir, served_model_name, device, prefix_cache_tokens, max_batch, script)
     app = FastAPI(title="inharness engine")
     app.state.engine = state
+    auth.protect(app, api_key=api_key, weights_root=weights_root)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -445,6 +463,7 @@ def create_app(
         on the weights they started with, later ones wait for them and then run on the new weights with
         an emptied prefix cache; the trainer pauses the gateway around this call so that no harness call
         straddles two versions."""
+        auth.check_weights_path(req.path, weights_root)
         loop = asyncio.get_running_loop()
         try:
             model = await loop.run_in_executor(None, _load_model, req.path, state.device)
@@ -487,10 +506,18 @@ def serve(
     served_model_name: str | None = None,
     threads: int | None = None,
     *,
-    prefix_cache_tokens: int = 4096,
+    prefix_cache_tokens: int | None = None,
     max_batch: int = 16,
+    script: str | None = None,
+    api_key_file: str | None = None,
+    weights_root: str | None = None,
 ) -> None:
     """Serve ``model_dir`` until interrupted; prints ``engine ready on http://H:P`` once listening.
+
+    ``script`` (default: the file named by ``INHARNESS_ENGINE_SCRIPT``, so that `inharness run`, which
+    starts the engine itself, can run it scripted) switches to scripted completions.
+    ``api_key_file`` and ``weights_root`` (default: ``INHARNESS_ENGINE_API_KEY_FILE``,
+    ``INHARNESS_ENGINE_WEIGHTS_ROOT``): see ``inharness.engine.auth``.
 
     ``threads`` sets torch's intra-op threads. Where other busy processes share the cores (harnesses and
     the gateway during `inharness run`), more than one makes each forward pass wait on a descheduled
@@ -498,36 +525,18 @@ def serve(
     """
     if threads is not None:
         torch.set_num_threads(threads)
+    script = script or os.environ.get(SCRIPT_ENV) or None
+    if script:
+        print(f"engine answers with the scripted completions of {script}", flush=True)
+    api_key, weights_root = auth.settings_from_env(api_key_file, weights_root)
     app = create_app(
         model_dir,
         served_model_name=served_model_name,
         prefix_cache_tokens=prefix_cache_tokens,
         max_batch=max_batch,
+        script=script,
+        api_key=api_key,
+        weights_root=weights_root,
     )
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     asyncio.run(_serve_until_done(server, host))
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Serve a causal LM with a vLLM-compatible completions API.")
-    parser.add_argument("model_dir")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--prefix-cache-tokens", type=int, default=4096, help="prefix cache size (0: off)")
-    parser.add_argument("--max-batch", type=int, default=16, help="rows decoded together (1: no batching)")
-    args = parser.parse_args(argv)
-    serve(
-        args.model_dir,
-        args.host,
-        args.port,
-        args.served_model_name,
-        args.threads,
-        prefix_cache_tokens=args.prefix_cache_tokens,
-        max_batch=args.max_batch,
-    )
-
-
-if __name__ == "__main__":
-    main()

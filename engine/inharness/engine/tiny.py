@@ -16,6 +16,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
+from inharness.engine import TINY_CONTEXT
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -32,7 +34,6 @@ MARKUP_TOKENS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, TOOL_RESPONSE_OPEN, TOOL_RESPO
 CHAT_TEMPLATE = (Path(__file__).with_name("chat_template.jinja")).read_text(encoding="utf-8")
 
 VOCAB_SIZE = 3072
-MAX_POSITION_EMBEDDINGS = 2048
 _CORPUS_SEED = 1234  # fixed: the tokenizer must not depend on the model seed
 
 # A few hundred common words; the corpus below draws sentences, identifiers and inflections from them.
@@ -116,7 +117,7 @@ def _corpus(lines: int = 12000) -> Iterator[str]:
         yield rng.choice(makers)(rng)
 
 
-def build_tokenizer() -> Qwen2Tokenizer:
+def build_tokenizer(context: int = TINY_CONTEXT) -> Qwen2Tokenizer:
     """Train the byte-level BPE and wrap it as the tokenizer class transformers picks for Qwen2 checkpoints.
 
     ``AutoTokenizer`` always rebuilds a ``qwen2`` checkpoint's tokenizer as ``Qwen2Tokenizer`` (NFC
@@ -150,7 +151,7 @@ def build_tokenizer() -> Qwen2Tokenizer:
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         chat_template=CHAT_TEMPLATE,
-        model_max_length=MAX_POSITION_EMBEDDINGS,
+        model_max_length=context,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.add_tokens(
@@ -160,15 +161,20 @@ def build_tokenizer() -> Qwen2Tokenizer:
     return tokenizer
 
 
-def init_tiny(out_dir: str | Path, *, seed: int = 0) -> Path:
+def init_tiny(out_dir: str | Path, *, seed: int = 0, context: int = TINY_CONTEXT) -> Path:
     """Save a random-init tiny Qwen2 causal LM, its tokenizer and generation config to ``out_dir``.
 
-    The tokenizer is identical for every seed; ``seed`` only drives the weights. Global torch RNG state is
-    left untouched.
+    The tokenizer is identical for every seed; ``seed`` only drives the weights. ``context`` is the
+    model's context in tokens (``max_position_embeddings``): the default fits the calc example; a real
+    harness's first request is 10-20k tokens of this tokenizer (Claude Code's 48 KB system prompt and
+    tools), so the harness tests ask for 65536. It changes no weight shape (rotary positions), only what
+    the engine and the gateway accept. Global torch RNG state is left untouched.
     """
+    if context < 16:
+        raise ValueError(f"context must be at least 16 tokens, got {context}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(context)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     config = Qwen2Config(
@@ -178,7 +184,7 @@ def init_tiny(out_dir: str | Path, *, seed: int = 0) -> Path:
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        max_position_embeddings=context,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=eos_id,

@@ -55,7 +55,7 @@ async def _open_calls(settings: GatewaySettings, session: aiohttp.ClientSession)
     initial version registered (active unless another version already is) and checked once."""
     tokenizer, model_len, stops = _load_tokenizer(settings.model)
     store = await Store.open(settings.store, sqlite_synchronous=settings.sqlite_synchronous)
-    pool = EnginePool(session, retries=settings.engine_retries)
+    pool = EnginePool(session, retries=settings.engine_retries, api_key=settings.engine_api_key())
     if settings.engines:
         has_active = any(v.active for v in await store.list_versions())
         await store.register_version(settings.model_version, settings.engines, activate=not has_active)

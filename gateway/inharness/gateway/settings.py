@@ -1,8 +1,13 @@
-"""Settings of one gateway process; every field is a flag of `inharness gateway` and an env var."""
+"""Settings of one gateway process; every field is a flag of `inharness gateway` and an env var.
 
-from typing import Literal
+Secrets come as values or as files (a mounted Secret's items, which no `kubectl describe` of the pod
+shows): the admin token as `admin_token` or `admin_token_file` (exactly one; the file is read here,
+so the rest of the gateway sees `admin_token`), the engines' API key only as `engine_api_key_file`.
+"""
 
-from pydantic import BaseModel, Field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
 
 DEFAULT_PORT = 8000
 
@@ -21,6 +26,13 @@ class GatewaySettings(BaseModel):
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535, description="port to listen on")
     admin_token: str = Field(min_length=8, description="bearer token of the control API")
+    admin_token_file: str | None = Field(
+        default=None, description="file holding the admin token (instead of --admin-token)"
+    )
+    engine_api_key_file: str | None = Field(
+        default=None,
+        description="file holding the engines' API key, sent as 'Authorization: Bearer' (none: no key)",
+    )
     served_model_name: str | None = Field(
         default=None, description="the model name /v1/models lists (default: the model directory's name)"
     )
@@ -34,3 +46,31 @@ class GatewaySettings(BaseModel):
     lease_sweep_seconds: float = Field(default=1.0, gt=0, description="how often expired leases are requeued")
     engine_retries: int = Field(default=3, ge=0, le=20, description="retries of a failed engine request")
     engine_timeout_seconds: float = Field(default=600.0, gt=0, description="timeout of one engine request")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _admin_token_from_file(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("admin_token_file") is None:
+            return data
+        if data.get("admin_token") is not None:
+            raise ValueError("give exactly one of admin_token and admin_token_file")
+        return {**data, "admin_token": _read_secret(str(data["admin_token_file"]))}
+
+    @model_validator(mode="after")
+    def _engine_api_key_readable(self) -> "GatewaySettings":
+        self.engine_api_key()  # a missing or empty file fails at start, not at the first call
+        return self
+
+    def engine_api_key(self) -> str | None:
+        """The engines' API key, read from `engine_api_key_file` (None: the engines need none)."""
+        return None if self.engine_api_key_file is None else _read_secret(self.engine_api_key_file)
+
+
+def _read_secret(path: str) -> str:
+    """A secret's file without surrounding whitespace, or a ValueError (a validation error) saying why not."""
+    from inharness.engine.auth import AuthError, read_key_file  # the engine's reader, without torch
+
+    try:
+        return read_key_file(path)
+    except AuthError as exc:
+        raise ValueError(str(exc)) from None

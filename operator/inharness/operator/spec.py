@@ -246,6 +246,53 @@ class Outcome(SpecModel):
         return grader
 
 
+# Kubernetes' resource.Quantity in its string form (its own CRDs use this pattern); plain integers too.
+_DECIMAL = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+_QUANTITY = rf"^(\+|-)?{_DECIMAL}(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?{_DECIMAL}))?$"
+Quantity = Annotated[str, Field(pattern=_QUANTITY)] | int
+
+
+class ResourceRequirements(SpecModel):
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="Resource requests, e.g. {cpu: '2', memory: 8Gi}."
+    )
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits.")
+
+
+# The resources of every container the operator creates unless the spec says otherwise (render/ applies
+# them; the descriptions below quote them): requests so that the scheduler, quotas and Kueue can place
+# each pod, limits so that none can starve its node. A spec's resources merge over them per key.
+Resources = dict[str, dict[str, str]]
+HARNESS_RESOURCES: Resources = {
+    "requests": {"cpu": "250m", "memory": "512Mi"},
+    "limits": {"cpu": "2", "memory": "4Gi"},
+}
+GATEWAY_RESOURCES: Resources = {
+    "requests": {"cpu": "500m", "memory": "1Gi"},
+    "limits": {"cpu": "2", "memory": "4Gi"},
+}
+TRAINER_CPU_RESOURCES: Resources = {
+    "requests": {"cpu": "1", "memory": "4Gi"},
+    "limits": {"cpu": "4", "memory": "16Gi"},
+}
+TRAINER_RESOURCES_PER_GPU: dict[str, dict[str, int]] = {
+    "requests": {"cpu": 4, "memory": 32},  # cores, GiB
+    "limits": {"cpu": 8, "memory": 64},
+}
+
+
+def _shown(resources: Resources) -> str:
+    return "; ".join(
+        f"{part} " + ", ".join(f"{k} {v}" for k, v in values.items()) for part, values in resources.items()
+    )
+
+
+_TRAINER_PER_GPU = "; ".join(
+    f"{part} " + ", ".join(f"{k} {v}{'Gi' if k == 'memory' else ''}" for k, v in values.items())
+    for part, values in TRAINER_RESOURCES_PER_GPU.items()
+)
+
+
 class HarnessSpecSpec(SpecModel):
     """One harness run: the process (or container) to start per attempt, and how to read its outcome."""
 
@@ -269,6 +316,12 @@ class HarnessSpecSpec(SpecModel):
         default=600, ge=1, le=86_000, description="The harness is killed and the attempt fails after this."
     )
     outcome: Outcome = Field(default_factory=Outcome, description="How the reward is read.")
+    resources: ResourceRequirements | None = Field(
+        default=None,
+        description="What one attempt's pod needs on a cluster (each of its containers: the harness, and "
+        f"the grader), merged per key over the defaults ({_shown(HARNESS_RESOURCES)}); a RolloutPool's "
+        "kubernetes.pod.resources merges over these. Kueue admits pods by their requests. Unused locally.",
+    )
 
 
 class HarnessSpec(SpecModel):
@@ -600,19 +653,6 @@ class Checkpoint(SpecModel):
     keep: int = Field(default=3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
 
 
-# Kubernetes' resource.Quantity in its string form (its own CRDs use this pattern); plain integers too.
-_DECIMAL = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-_QUANTITY = rf"^(\+|-)?{_DECIMAL}(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?{_DECIMAL}))?$"
-Quantity = Annotated[str, Field(pattern=_QUANTITY)] | int
-
-
-class ResourceRequirements(SpecModel):
-    requests: dict[str, Quantity] = Field(
-        default_factory=dict, description="Resource requests, e.g. {cpu: '2', memory: 8Gi}."
-    )
-    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits.")
-
-
 class Toleration(SpecModel):
     key: str | None = Field(default=None, description="Taint key; empty with operator Exists: every taint.")
     operator: Literal["Exists", "Equal"] | None = Field(
@@ -736,7 +776,7 @@ class KubernetesPool(SpecModel):
     )
     pod: PodOverrides | None = Field(
         default=None,
-        description="Overrides of the harness pods: resources (Kueue needs requests), nodeSelector, "
+        description="Overrides of the harness pods: resources (merged over the HarnessSpec's), nodeSelector, "
         "tolerations, affinity, env, volumes and mounts, serviceAccountName, priorityClassName, "
         "imagePullSecrets.",
     )
@@ -760,7 +800,11 @@ class GatewaySpec(SpecModel):
     image: str | None = Field(
         default=None, min_length=1, description="Gateway image; default: the operator's setting."
     )
-    pod: PodOverrides | None = Field(default=None, description="Overrides of the gateway pod.")
+    pod: PodOverrides | None = Field(
+        default=None,
+        description="Overrides of the gateway pod; resources merge over the defaults "
+        f"({_shown(GATEWAY_RESOURCES)}).",
+    )
 
 
 class TrainerSpec(SpecModel):
@@ -769,7 +813,12 @@ class TrainerSpec(SpecModel):
     )
     gpus: int = Field(default=1, ge=0, le=64, description="GPUs of the trainer pod (nvidia.com/gpu).")
     shm_size: str = Field(default="8Gi", min_length=1, description="Size of /dev/shm (a memory emptyDir).")
-    pod: PodOverrides | None = Field(default=None, description="Overrides of the trainer pod.")
+    pod: PodOverrides | None = Field(
+        default=None,
+        description="Overrides of the trainer pod; resources merge over the defaults: with gpus 0 "
+        f"{_shown(TRAINER_CPU_RESOURCES)}; with GPUs, per GPU, {_TRAINER_PER_GPU} (and nvidia.com/gpu as a "
+        "limit). A request above a default limit raises that limit to it.",
+    )
 
 
 class TrainingRunSpec(SpecModel):

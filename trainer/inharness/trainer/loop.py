@@ -136,8 +136,10 @@ class TrainingLoop:
         state: LoopState,
         on_progress: Callable[[str, dict[str, Any]], None] | None = None,
         engine_wait_seconds: float = 0.0,
+        engine_api_key: str | None = None,
     ) -> None:
         self.gw = gateway
+        self._engine_auth = {} if engine_api_key is None else {"Authorization": f"Bearer {engine_api_key}"}
         self.engine_wait_seconds = engine_wait_seconds
         self.engine_urls = engine_urls
         self.policy = policy
@@ -295,7 +297,9 @@ class TrainingLoop:
 
     async def _load_weights(self, url: str, path: Path, version: int) -> None:
         """Load `path` into the engine at `url`; an engine that cannot be reached is waited for (up
-        to `engine_wait_seconds`: a supervisor may be restarting it), one that refuses is an error."""
+        to `engine_wait_seconds`: a supervisor may be restarting it), one that refuses is an error. With
+        an engine API key the request carries it (`inharness.engine.auth`); the engine takes only paths
+        under its weights root, which `inharness train` sets to the directory `path` is in."""
         deadline = time.monotonic() + self.engine_wait_seconds
         delay = 0.2
         load = {"path": str(path)}
@@ -303,7 +307,9 @@ class TrainingLoop:
             try:
                 async with (
                     aiohttp.ClientSession() as session,
-                    session.post(f"{url}/v1/inharness/load_weights", json=load) as r,
+                    session.post(
+                        f"{url}/v1/inharness/load_weights", json=load, headers=self._engine_auth
+                    ) as r,
                 ):
                     if r.status != 200:
                         raise RuntimeError(

@@ -1,7 +1,7 @@
 """Rendering: the Kubernetes objects inharness creates, as plain dicts from pure functions, so that
 `inharness operator render` previews exactly what the operator applies.
 
-- `run`: a TrainingRun's children (gateway, trainer, their Secret, ConfigMap and claims);
+- `run`: a TrainingRun's children (gateway, trainer, their Secret, ConfigMap, claims and NetworkPolicies);
 - `harness`: a RolloutPool's harness pods (or Jobs) and their per-batch Secret and ConfigMap;
 - `pods`: what every pod shares (restricted security context, path resolution, pod overrides).
 
@@ -24,11 +24,13 @@ from inharness.operator.render.run import (
     CONFIG_HASH_ANNOTATION,
     CONFIG_KEY,
     CONFIG_PATH,
+    ENGINE_KEY_KEY,
     ENGINE_PORT,
     GATEWAY_PORT,
     GATEWAY_URL_TEMPLATE,
     GPU_RESOURCE,
     RAY_PORTS,
+    SECRETS_DIR,
     STORE_DIR,
     TOKEN_HASH_ANNOTATION,
     TRAINER_DIR,
@@ -37,10 +39,12 @@ from inharness.operator.render.run import (
     admin_token_of,
     config_name,
     config_sha256,
+    engine_api_key_for,
     engine_url,
     gateway_name,
     gateway_url,
     labels,
+    network_policies,
     new_admin_token,
     owner_reference,
     render_children,
@@ -50,6 +54,7 @@ from inharness.operator.render.run import (
     store_claim_name,
     to_yaml,
     trainer_name,
+    trainer_resources,
 )
 
 __all__ = [
@@ -59,6 +64,7 @@ __all__ = [
     "CONFIG_KEY",
     "CONFIG_PATH",
     "CONTAINER_SECURITY",
+    "ENGINE_KEY_KEY",
     "ENGINE_PORT",
     "GATEWAY_PORT",
     "GATEWAY_URL_TEMPLATE",
@@ -66,6 +72,7 @@ __all__ = [
     "POD_SECURITY",
     "RAY_PORTS",
     "RUN_AS",
+    "SECRETS_DIR",
     "STORE_DIR",
     "TOKEN_HASH_ANNOTATION",
     "TRAINER_DIR",
@@ -76,10 +83,12 @@ __all__ = [
     "apply_overrides",
     "config_name",
     "config_sha256",
+    "engine_api_key_for",
     "engine_url",
     "gateway_name",
     "gateway_url",
     "labels",
+    "network_policies",
     "new_admin_token",
     "overrides_of",
     "owner_reference",
@@ -92,4 +101,5 @@ __all__ = [
     "store_claim_name",
     "to_yaml",
     "trainer_name",
+    "trainer_resources",
 ]

@@ -13,6 +13,11 @@ spec; and, when the harness takes its task as a file, one ConfigMap with each at
 With `outcome.type: grader` the harness runs as the pod's init container and the grader as its
 container (same image, a shared emptyDir for the harness's result file, the grader's result JSON
 as its termination message), so neither command is wrapped; `harness_pod` says what the grader sees.
+
+Resources: each container gets the HarnessSpec's `resources` over the defaults (`HARNESS_RESOURCES`),
+then the pool's `kubernetes.pod.resources` over those, so that every harness pod has requests (which
+the scheduler, quotas and Kueue place it by) and limits. A harness pod's root filesystem stays
+writable: an unmodified agent in the user's image may write anywhere its image lets it.
 """
 
 import json
@@ -25,12 +30,13 @@ from inharness.operator.api import API_VERSION
 from inharness.operator.render.pods import (
     apply_container_overrides,
     container_security,
+    merge_resources,
     overrides_of,
     pod_spec,
     resolve_path,
 )
 from inharness.operator.render.run import labels as run_labels
-from inharness.operator.spec import HarnessSpecSpec, KubernetesPool
+from inharness.operator.spec import HARNESS_RESOURCES, HarnessSpecSpec, KubernetesPool
 
 Obj = dict[str, Any]
 
@@ -240,6 +246,7 @@ def harness_pod_spec(ctx: PodContext, attempt: ClaimedAttempt, batch: str) -> Ob
         "env": _harness_env(ctx, attempt, batch),
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "File",
+        "resources": _resources(h),
     }
     if h.working_dir is not None:
         container["workingDir"] = resolve_path(h.working_dir)
@@ -259,6 +266,12 @@ def harness_pod_spec(ctx: PodContext, attempt: ClaimedAttempt, batch: str) -> Ob
         grader["securityContext"] = container_security()
         spec["initContainers"], spec["containers"] = spec["containers"], [grader]
     return spec
+
+
+def _resources(harness: HarnessSpecSpec) -> Obj:
+    """A harness container's resources before the pool's overrides: the HarnessSpec's over the defaults."""
+    own = harness.resources.model_dump(mode="json") if harness.resources is not None else None
+    return merge_resources(HARNESS_RESOURCES, own)
 
 
 def _attempt_labels(attempt: ClaimedAttempt) -> dict[str, str]:
@@ -302,6 +315,7 @@ def _grader_container(ctx: PodContext, attempt: ClaimedAttempt, mounts: list[Obj
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "File",
         "volumeMounts": [*mounts, {"name": HANDOFF_VOLUME, "mountPath": HANDOFF_DIR, "readOnly": True}],
+        "resources": _resources(h),
     }
     if h.working_dir is not None:
         container["workingDir"] = resolve_path(h.working_dir)

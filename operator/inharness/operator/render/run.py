@@ -4,14 +4,25 @@ The operator applies exactly what `render_children` returns, and `inharness oper
 the same, so a preview (or `kubectl apply --dry-run=server`) shows what the operator would create.
 
 Children of TrainingRun `<run>` (all in the run's namespace, all with the recommended labels):
-- Secret `<run>-gateway` (key `admin-token`): generated once by the operator and then kept; render
-  takes the token as an input, so rendering is deterministic.
+- Secret `<run>-gateway`: `admin-token`, generated once by the operator and then kept (render takes it
+  as an input, so rendering is deterministic), and `engine-api-key`, derived from it
+  (`engine_api_key_for`), which the trainer's engine requires and the gateway sends. Both pods mount
+  the Secret as files (`SECRETS_DIR`), never as env vars.
 - ConfigMap `<run>-config` (key `run.yaml`): the TrainingRun, its RolloutPool and HarnessSpec as one
   spec file, the file the trainer reads (the same format `inharness run` takes locally).
 - PersistentVolumeClaim `<run>-gateway-store`, Deployment + Service `<run>-gateway`: the gateway, its
   SQLite store on the claim (so suspend and pod restarts keep every recorded call).
 - StatefulSet + headless Service `<run>-trainer`: the trainer and its engine (port 8001), Ray-ready
   ports, GPUs as `nvidia.com/gpu`, /dev/shm as a memory emptyDir, a `work` claim for checkpoints.
+- NetworkPolicies `<run>-trainer`, `<run>-gateway`, `<run>-harness` (unless the operator's
+  `network_policies` is off, for clusters that manage policy themselves): the trainer accepts the
+  engine port from the run's gateway only and anything from the run's other trainer pods (Ray); the
+  gateway accepts 8000 from the run's harness and trainer pods and the operator; the run's harness
+  pods may reach only the run's gateway and DNS. Beside the run, whatever its namespace.
+
+Resources: every container has requests and limits of CPU and memory (spec.py's `*_RESOURCES`; the
+spec's pod overrides merge over them). The gateway and trainer run with a read-only root filesystem:
+they write only to their volumes (store or work claim, /tmp, /dev/shm), with HOME=/tmp.
 
 Owner references: render adds them when given the owner's uid (the operator passes the TrainingRun's
 uid); the CLI preview has no uid and leaves them out. Doing it here rather than with `kopf.adopt`
@@ -27,9 +38,11 @@ Pod overrides and the restricted security context: render/pods.py.
 
 import base64
 import hashlib
+import hmac
+import json
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib.metadata import version
 from typing import Any
 
@@ -42,12 +55,20 @@ from inharness.operator.api import API_VERSION
 from inharness.operator.render.pods import (
     WORKSPACE,
     http_probe,
+    merge_resources,
     overrides_of,
     pod_spec,
     resolve_path,
     user_volume_names,
 )
-from inharness.operator.spec import HarnessSpec, RolloutPool, TrainingRun
+from inharness.operator.spec import (
+    GATEWAY_RESOURCES,
+    TRAINER_CPU_RESOURCES,
+    TRAINER_RESOURCES_PER_GPU,
+    HarnessSpec,
+    RolloutPool,
+    TrainingRun,
+)
 
 Obj = dict[str, Any]
 
@@ -55,6 +76,10 @@ GATEWAY_PORT = GATEWAY_DEFAULT_PORT
 ENGINE_PORT = ENGINE_DEFAULT_PORT
 RAY_PORTS = (("ray-gcs", 6379), ("ray-dashboard", 8265), ("ray-client", 10001))
 ADMIN_TOKEN_KEY = "admin-token"
+ENGINE_KEY_KEY = "engine-api-key"
+SECRETS_DIR = "/var/run/secrets/inharness"  # the run's Secret, mounted read-only in gateway and trainer
+ADMIN_TOKEN_PATH = f"{SECRETS_DIR}/{ADMIN_TOKEN_KEY}"
+ENGINE_KEY_PATH = f"{SECRETS_DIR}/{ENGINE_KEY_KEY}"
 CONFIG_KEY = "run.yaml"
 CONFIG_DIR = "/etc/inharness"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
@@ -77,9 +102,31 @@ class RenderSettings(BaseModel):
     gateway_store_size: str = Field(default="1Gi", description="Size of the gateway store's claim.")
     trainer_storage_size: str = Field(default="20Gi", description="Size of the trainer's work claim.")
     storage_class: str | None = Field(default=None, description="StorageClass of both claims; None: default.")
+    network_policies: bool = Field(
+        default=True, description="Give each run its NetworkPolicies; off where the cluster manages policy."
+    )
+    operator_namespace: str | None = Field(
+        default=None, description="The operator's namespace (its pods may reach the gateways); None: any."
+    )
+    operator_pod_labels: dict[str, str] = Field(
+        default_factory=lambda: {
+            "app.kubernetes.io/name": "inharness",
+            "app.kubernetes.io/component": "operator",
+        },
+        description="Labels of the operator's pods, which may reach each run's gateway (progress).",
+    )
+    dns_namespace: str = Field(default="kube-system", description="Namespace of the cluster DNS.")
+    dns_pod_labels: dict[str, str] = Field(
+        default_factory=lambda: {"k8s-app": "kube-dns"},
+        description="Labels of the cluster DNS pods; empty: any pod of dns_namespace.",
+    )
+    extra_gateway_ingress: list[dict[str, Any]] = Field(
+        default_factory=list, description="More NetworkPolicyPeers allowed into each gateway on its port."
+    )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **overrides: Any) -> "RenderSettings":
+        """The chart's env vars (charts/inharness/templates/deployment.yaml); JSON for labels and peers."""
         ver = version("inharness")
         values: dict[str, Any] = {
             "gateway_image": env.get("INHARNESS_GATEWAY_IMAGE") or f"ghcr.io/inharness/inharness:{ver}",
@@ -87,7 +134,14 @@ class RenderSettings(BaseModel):
             "gateway_store_size": env.get("INHARNESS_GATEWAY_STORE_SIZE") or "1Gi",
             "trainer_storage_size": env.get("INHARNESS_TRAINER_STORAGE_SIZE") or "20Gi",
             "storage_class": env.get("INHARNESS_STORAGE_CLASS") or None,
+            "network_policies": (env.get("INHARNESS_NETWORK_POLICIES") or "true").lower() != "false",
+            "operator_namespace": env.get("INHARNESS_OPERATOR_NAMESPACE") or None,
         }
+        for key in ("operator_pod_labels", "dns_pod_labels", "extra_gateway_ingress"):
+            if env.get(f"INHARNESS_{key.upper()}"):
+                values[key] = json.loads(env[f"INHARNESS_{key.upper()}"])
+        if env.get("INHARNESS_DNS_NAMESPACE"):
+            values["dns_namespace"] = env["INHARNESS_DNS_NAMESPACE"]
         return cls(**{**values, **overrides})
 
 
@@ -167,6 +221,13 @@ def new_admin_token() -> str:
     return secrets.token_urlsafe(32)
 
 
+def engine_api_key_for(admin_token: str) -> str:
+    """The run's engine API key, derived from its admin token: run-scoped, kept and rotated with it,
+    and no second secret for the operator to generate and read back. Whoever holds the admin token
+    (the gateway, the trainer, the operator) may use the engine anyway; the engine is never given it."""
+    return hmac.new(admin_token.encode(), b"inharness engine api key", hashlib.sha256).hexdigest()
+
+
 def admin_token_of(secret: Mapping[str, Any] | None) -> str | None:
     """The token held by a live Secret, or None when it has none (then the operator makes one)."""
     if not secret:
@@ -206,11 +267,16 @@ def config_sha256(run: TrainingRun, pool: RolloutPool, harness: HarnessSpec, nam
 # --- pod building blocks -----------------------------------------------------------------------------
 
 
-def _token_env(run: str) -> Obj:
-    return {
-        "name": "INHARNESS_GATEWAY_ADMIN_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": gateway_name(run), "key": ADMIN_TOKEN_KEY}},
-    }
+def _secrets_volume(run: str) -> Obj:
+    """The run's Secret as files, readable by the pods' group (fsGroup) only."""
+    return {"name": "secrets", "secret": {"secretName": gateway_name(run), "defaultMode": 0o440}}
+
+
+def _secrets_mount() -> Obj:
+    return {"name": "secrets", "mountPath": SECRETS_DIR, "readOnly": True}
+
+
+SECRET_ARGS = ["--admin-token-file", ADMIN_TOKEN_PATH, "--engine-api-key-file", ENGINE_KEY_PATH]
 
 
 def _claim(size: str, settings: RenderSettings) -> Obj:
@@ -266,16 +332,19 @@ def render_children(
     replicas = 0 if run.spec.suspend or finished else 1
     tr_meta = meta(trainer_name(name), "trainer")
     out.append(_trainer_statefulset(run, tr_meta, settings, _sha256(config), token_hash, replicas=replicas))
+    if settings.network_policies:
+        out += network_policies(name, meta, settings)
     return out
 
 
 def _admin_secret(meta: Obj, admin_token: str) -> Obj:
+    data = {ADMIN_TOKEN_KEY: admin_token, ENGINE_KEY_KEY: engine_api_key_for(admin_token)}
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": meta,
         "type": "Opaque",
-        "data": {ADMIN_TOKEN_KEY: base64.b64encode(admin_token.encode()).decode()},
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
     }
 
 
@@ -315,6 +384,7 @@ def _gateway_args(run: TrainingRun, harness: HarnessSpec, pool: RolloutPool) -> 
         harness.spec.model.model_name,
         "--max-attempts",
         str(pool.spec.max_attempts_per_rollout),
+        *SECRET_ARGS,
     ]
 
 
@@ -334,12 +404,13 @@ def _gateway_deployment(
         "command": ["inharness"],
         "args": _gateway_args(run, harness, pool),
         "workingDir": WORKSPACE,
-        "env": [_token_env(name), {"name": "HOME", "value": "/tmp"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+        "resources": merge_resources(GATEWAY_RESOURCES, None),
         "volumeMounts": [
             {"name": "store", "mountPath": STORE_DIR},
             {"name": "tmp", "mountPath": "/tmp"},
+            _secrets_mount(),
         ],
         "startupProbe": http_probe("/healthz", "http", period=5, failures=60),
         "readinessProbe": http_probe("/healthz", "http", period=10, failures=3),
@@ -348,6 +419,7 @@ def _gateway_deployment(
     volumes = [
         {"name": "store", "persistentVolumeClaim": {"claimName": store_claim_name(name)}},
         {"name": "tmp", "emptyDir": {}},
+        _secrets_volume(name),
     ]
     return {
         "apiVersion": "apps/v1",
@@ -364,7 +436,7 @@ def _gateway_deployment(
                     "labels": labels(name, "gateway"),
                     "annotations": {TOKEN_HASH_ANNOTATION: token_hash},
                 },
-                "spec": pod_spec(container, volumes, overrides),
+                "spec": pod_spec(container, volumes, overrides, read_only_root=True),
             },
         },
     }
@@ -391,13 +463,12 @@ def _trainer_container(run: TrainingRun, settings: RenderSettings) -> Obj:
         "name": "trainer",
         "image": trainer.image or settings.trainer_image,
         "command": ["inharness"],
-        "args": ["train", "--config", CONFIG_PATH, "--out", TRAINER_DIR],
+        "args": ["train", "--config", CONFIG_PATH, "--out", TRAINER_DIR, *SECRET_ARGS],
         "workingDir": WORKSPACE,
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "INHARNESS_GATEWAY_URL", "value": gateway_url(name)},
-            _token_env(name),
             # What the gateway dials to reach this pod's engine (replica-independent, via the headless DNS).
             {
                 "name": "INHARNESS_ENGINE_URL",
@@ -415,14 +486,32 @@ def _trainer_container(run: TrainingRun, settings: RenderSettings) -> Obj:
             {"name": "work", "mountPath": TRAINER_DIR},
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
+            _secrets_mount(),
         ],
-        # Readiness only: a hung update is not something an HTTP probe can see, and a liveness
-        # restart would throw away the step in progress; a stuck run shows in the status instead.
+        "resources": trainer_resources(trainer.gpus),
+        # The engine answers /health from the first version on; before it, the trainer waits for the
+        # gateway (up to 5 minutes) and loads the policy: the startup probe gives that 30 minutes. The
+        # liveness probe sees only a dead or wedged engine server: a hung update is not something an
+        # HTTP probe can see (a stuck run shows in the status instead).
+        "startupProbe": http_probe("/health", "engine", period=10, failures=180),
         "readinessProbe": http_probe("/health", "engine", period=10, failures=3),
+        "livenessProbe": http_probe("/health", "engine", period=20, failures=3, timeout=5),
     }
-    if trainer.gpus > 0:
-        container["resources"] = {"limits": {GPU_RESOURCE: str(trainer.gpus)}}
     return container
+
+
+def trainer_resources(gpus: int) -> Obj:
+    """The trainer container's default resources: `TRAINER_CPU_RESOURCES` for a CPU run, else
+    `TRAINER_RESOURCES_PER_GPU` times the GPUs, with the GPUs as a limit (extended resources take none
+    as requests)."""
+    if gpus == 0:
+        return merge_resources(TRAINER_CPU_RESOURCES, None)
+    out: Obj = {
+        part: {"cpu": str(v["cpu"] * gpus), "memory": f"{v['memory'] * gpus}Gi"}
+        for part, v in TRAINER_RESOURCES_PER_GPU.items()
+    }
+    out["limits"][GPU_RESOURCE] = str(gpus)
+    return out
 
 
 def _trainer_statefulset(
@@ -435,6 +524,7 @@ def _trainer_statefulset(
         {"name": "config", "configMap": {"name": config_name(name)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": trainer.shm_size}},
         {"name": "tmp", "emptyDir": {}},
+        _secrets_volume(name),
     ]
     extra: Obj = {}
     if trainer.gpus > 0:
@@ -449,7 +539,9 @@ def _trainer_statefulset(
                 "labels": labels(name, "trainer"),
                 "annotations": {CONFIG_HASH_ANNOTATION: config_hash, TOKEN_HASH_ANNOTATION: token_hash},
             },
-            "spec": pod_spec(_trainer_container(run, settings), volumes, overrides, **extra),
+            "spec": pod_spec(
+                _trainer_container(run, settings), volumes, overrides, read_only_root=True, **extra
+            ),
         },
     }
     if "work" not in user_volume_names(overrides):
@@ -462,6 +554,74 @@ def _trainer_statefulset(
         # Checkpoints outlive a scale-down (suspend) and go with the run.
         spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
     return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": spec}
+
+
+# --- network policies --------------------------------------------------------------------------------
+
+
+def _pods_of(run: str, component: str) -> Obj:
+    """A NetworkPolicyPeer: the run's pods of one component, in the policy's namespace."""
+    return {"podSelector": {"matchLabels": selector_labels(run, component)}}
+
+
+def _tcp(port: int) -> Obj:
+    return {"protocol": "TCP", "port": port}
+
+
+def network_policies(run: str, meta: Callable[[str, str], Obj], settings: RenderSettings) -> list[Obj]:
+    """The run's three NetworkPolicies (`meta(name, component)` gives their metadata):
+
+    - `<run>-trainer`: ingress to the trainer pods from the run's gateway on the engine port, and
+      from the run's own trainer pods on any port (Ray: GCS, dashboard and client ports, and the
+      node manager's, object manager's and workers' ports, which Ray picks at start);
+    - `<run>-gateway`: ingress to the gateway on its port from the run's harness and trainer pods,
+      the operator's pods (progress) and `extra_gateway_ingress`;
+    - `<run>-harness`: egress of the run's harness pods (the agent under training, untrusted) to the
+      run's gateway on its port and to the cluster DNS only.
+    Egress of the gateway (to the engines) and of the trainer (to the gateway, model hubs) is left open.
+    """
+    operator: Obj = {"podSelector": {"matchLabels": dict(settings.operator_pod_labels)}}
+    operator["namespaceSelector"] = (
+        {"matchLabels": {"kubernetes.io/metadata.name": settings.operator_namespace}}
+        if settings.operator_namespace is not None
+        else {}
+    )
+    dns: Obj = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": settings.dns_namespace}}}
+    if settings.dns_pod_labels:
+        dns["podSelector"] = {"matchLabels": dict(settings.dns_pod_labels)}
+
+    def policy(name: str, selected: str, spec: Obj) -> Obj:
+        body = {"podSelector": {"matchLabels": selector_labels(run, selected)}, **spec}
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": meta(name, "network-policy"),
+            "spec": body,
+        }
+
+    trainer_in = [
+        {"from": [_pods_of(run, "gateway")], "ports": [_tcp(ENGINE_PORT)]},
+        {"from": [_pods_of(run, "trainer")]},
+    ]
+    gateway_from = [
+        _pods_of(run, "harness"),
+        _pods_of(run, "trainer"),
+        operator,
+        *settings.extra_gateway_ingress,
+    ]
+    harness_out = [
+        {"to": [_pods_of(run, "gateway")], "ports": [_tcp(GATEWAY_PORT)]},
+        {"to": [dns], "ports": [{"protocol": "UDP", "port": 53}, _tcp(53)]},
+    ]
+    return [
+        policy(trainer_name(run), "trainer", {"policyTypes": ["Ingress"], "ingress": trainer_in}),
+        policy(
+            gateway_name(run),
+            "gateway",
+            {"policyTypes": ["Ingress"], "ingress": [{"from": gateway_from, "ports": [_tcp(GATEWAY_PORT)]}]},
+        ),
+        policy(f"{run}-harness", "harness", {"policyTypes": ["Egress"], "egress": harness_out}),
+    ]
 
 
 def to_yaml(objects: list[Obj]) -> str:
