@@ -39,6 +39,7 @@ from inharness.operator.kube import (
     CONFIGMAPS,
     DEPLOYMENTS,
     HARNESSSPECS,
+    NETWORKPOLICIES,
     PERSISTENTVOLUMECLAIMS,
     ROLLOUTPOOLS,
     SECRETS,
@@ -74,6 +75,7 @@ RESOURCES: dict[str, Resource] = {
     "Deployment": DEPLOYMENTS,
     "StatefulSet": STATEFULSETS,
     "PersistentVolumeClaim": PERSISTENTVOLUMECLAIMS,
+    "NetworkPolicy": NETWORKPOLICIES,
 }
 PROGRESS_TIMEOUT = 5.0
 
