@@ -93,7 +93,8 @@ def main() -> int:
         engines = {}
         for name, flags in MODES.items():
             port = free_port()
-            argv = [sys.executable, "-m", "inharness.cli", "engine", "--model", str(model), "--port", str(port)]
+            argv = [sys.executable, "-m", "inharness.cli", "engine", "--model", str(model)]
+            argv += ["--port", str(port)]
             engines[name] = ServerProcess(
                 [*argv, "--threads", "1", *flags], port=port, log=Path(tmp) / f"{port}.log", health="/health"
             ).start()

@@ -3,15 +3,14 @@
 and progress read from a real gateway.
 
 The emulator is no kube-apiserver: no controller runs, so a test that needs an available gateway
-or a ready trainer writes those Deployment/StatefulSet statuses itself, as the controllers would;
-and nothing is garbage-collected, so deletion is checked through the owner references.
+or a ready trainer writes those Deployment/StatefulSet statuses itself, as the controllers would.
+Its one stand-in for a controller is the garbage collector's owner-reference rule (kube_emulator.py).
+The same flow through the real kubectl: test_kubectl_flow.py.
 """
 
 import asyncio
 import base64
-import os
-import signal
-import sys
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,8 @@ import kmock
 import pytest
 import yaml
 from kmock import Server
-from kube_emulator import EmulatedCluster
+from kube_emulator import EmulatedCluster, plain
+from operator_process import operator_running
 from testsupport import eventually
 
 from inharness.gateway.client import GatewayClient
@@ -73,7 +73,7 @@ class Cluster:
         key = (kmock.resource(group[0] if group else "", version, plural), NS, name)
         if key not in self.k8s.objects or self.k8s.objects[key].deleted:
             return None
-        return _plain(self.k8s.objects[key].raw)
+        return plain(self.k8s.objects[key].raw)
 
     def run(self) -> dict[str, Any]:
         run = self.get(RUNS, "calc")
@@ -107,7 +107,7 @@ class Cluster:
         for (res, _ns, _name), obj in self.k8s.objects.items():
             if res.plural != "events" or res.group != "" or obj.deleted:
                 continue
-            event = _plain(obj.raw)
+            event = plain(obj.raw)
             if event["involvedObject"]["kind"] == "TrainingRun" and reason in (None, event["reason"]):
                 out.append(event)
         return out
@@ -135,14 +135,6 @@ class Cluster:
         )
 
 
-def _plain(value: Any) -> Any:
-    if hasattr(value, "items"):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
 def example_docs() -> list[dict[str, Any]]:
     docs = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d]
     for d in docs:
@@ -155,65 +147,25 @@ def gateway_port() -> int:
     return free_port()
 
 
+@contextlib.asynccontextmanager
+async def operator_on(
+    k8s: EmulatedCluster, server: Server, tmp_path: Path, gateway_port: int
+) -> AsyncIterator[Cluster]:
+    """The operator watching NS of this emulator, with nothing listening at its gateway URL."""
+    kubeconfig = k8s.kubeconfig(tmp_path / "kubeconfig", str(server.url).rstrip("/"))
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    async with operator_running(
+        kubeconfig, tmp_path / "operator.log", namespace=NS, gateway_url=gateway_url
+    ) as op:
+        yield Cluster(k8s, server.client, op.metrics_url, op.proc, op.log)
+
+
 @pytest.fixture
 async def cluster(tmp_path: Path, gateway_port: int) -> AsyncIterator[Cluster]:
     async with EmulatedCluster() as k8s, Server(k8s) as server:
         k8s.add_namespace(NS)
-        url = str(server.url).rstrip("/")
-        kubeconfig = k8s.kubeconfig(tmp_path / "kubeconfig", url)
-        metrics, liveness = free_port(), free_port()
-        log = tmp_path / "operator.log"
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(kubeconfig),
-            "INHARNESS_GATEWAY_IMAGE": "example.org/inharness:test",
-            "INHARNESS_TRAINER_IMAGE": "example.org/trainer:test",
-        }
-        with log.open("wb") as out:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "inharness.cli",
-                "operator",
-                "run",
-                "--namespace",
-                NS,
-                "--metrics-port",
-                str(metrics),
-                "--liveness-port",
-                str(liveness),
-                "--resync-seconds",
-                "1",
-                "--gateway-url",
-                f"http://127.0.0.1:{gateway_port}",
-                env=env,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-            )
-        c = Cluster(k8s, server.client, f"http://127.0.0.1:{metrics}/metrics", proc, log)
-        try:
-
-            async def alive() -> bool:
-                if proc.returncode is not None:
-                    pytest.fail(f"operator exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-                try:
-                    async with httpx.AsyncClient(timeout=1) as h:
-                        return (await h.get(f"http://127.0.0.1:{liveness}/healthz")).status_code == 200
-                except httpx.HTTPError:
-                    return False
-
-            await eventually(alive, "the operator answers its liveness probe", within=60)
+        async with operator_on(k8s, server, tmp_path, gateway_port) as c:
             yield c
-        finally:
-            if proc.returncode is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(proc.wait(), 20)
-                except TimeoutError:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    await proc.wait()
-            assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
 
 
 async def apply_example(c: Cluster) -> None:
@@ -403,18 +355,16 @@ async def test_emulator_missing_pool_degrades_then_recovers_when_it_arrives(clus
     await eventually(lambda: c.condition("Degraded") == ("False", "AsExpected"), "no longer degraded")
 
 
-async def test_emulator_deleted_run_goes_at_once_and_leaves_children_to_owner_references(
-    cluster: Cluster,
-) -> None:
+async def test_emulator_deleted_run_goes_at_once_and_its_children_with_it(cluster: Cluster) -> None:
     c = cluster
     await apply_example(c)
     await eventually(lambda: children_present(c), "children exist")
-    uid = c.run()["metadata"]["uid"]
     await c.delete(RUNS, "calc")
     assert c.get(RUNS, "calc") is None  # no finalizer holds it
-    # The garbage collector (absent in the emulator) deletes what the TrainingRun owns.
-    for res, name in CHILDREN:
-        assert c.get(res, name)["metadata"]["ownerReferences"][0]["uid"] == uid  # type: ignore[index]
+    # The garbage collector (emulated) deletes what the TrainingRun owns; no resync brings it back.
+    assert all(c.get(res, name) is None for res, name in CHILDREN)
+    await asyncio.sleep(2)
+    assert all(c.get(res, name) is None for res, name in CHILDREN)
 
     async def forgotten() -> bool:
         async with httpx.AsyncClient(timeout=2) as h:
@@ -452,3 +402,59 @@ async def test_emulator_refused_child_degrades_with_an_event_and_the_next_resync
     await eventually(counted, "the refusal counted as an error")
     await eventually(lambda: children_present(c), "every child once the API server accepts it")
     await eventually(lambda: c.condition("Degraded") == ("False", "AsExpected"), "no longer degraded")
+
+
+async def test_emulator_objects_made_while_the_operator_was_down_get_one_event_per_phase_change(
+    tmp_path: Path, gateway_port: int
+) -> None:
+    """Resume, the pool's and harness's create handlers and the resync all reconcile the run at
+    start; each must see what the previous one wrote, so "new -> Pending" is posted once."""
+    async with EmulatedCluster() as k8s, Server(k8s) as server:
+        k8s.add_namespace(NS)
+        for doc in example_docs():
+            r = await server.client.post(API[PLURAL[doc["kind"]]], json=doc)
+            assert r.status in (200, 201), await r.text()
+        async with operator_on(k8s, server, tmp_path, gateway_port) as c:
+            await eventually(lambda: c.status().get("phase") == "Pending", "phase Pending")
+            await asyncio.sleep(3)  # three resyncs and every start-up handler have run
+            events = [e["message"] for e in c.events()]
+            assert events == ["new -> Pending: the gateway Deployment has no available pod"], events
+
+
+async def test_emulator_unreachable_gateway_backs_the_claims_off_says_it_once_and_in_the_pool_status(
+    cluster: Cluster,
+) -> None:
+    """The gateway's Deployment is available but nothing listens at --gateway-url (a closed port):
+    the pool's controller backs off, logs the first failure at WARNING and no line per retry, and
+    the RolloutPool says GatewayReachable=False."""
+    c = cluster
+    await apply_example(c)
+    await eventually(lambda: children_present(c), "children exist")
+    await c.mark_up()
+
+    def reachable() -> dict[str, Any] | None:
+        pool = c.get("inharness.dev/v1alpha1/rolloutpools", "calc-pool") or {}
+        conditions = (pool.get("status") or {}).get("conditions") or []
+        return next((x for x in conditions if x["type"] == "GatewayReachable"), None)
+
+    condition = await eventually(
+        lambda: (reachable() or {}).get("status") == "False" and reachable(), "GatewayReachable False"
+    )
+    assert condition["reason"] == "GatewayUnreachable"
+    assert condition["message"].startswith("cannot claim from the gateway of TrainingRun calc since ")
+    assert "ConnectError" in condition["message"]
+    await asyncio.sleep(6)  # 0.5 s between claims before the backoff would have meant 12 lines by now
+    lines = [x for x in c.log.read_text().splitlines() if "claim" in x]
+    assert len(lines) == 1, lines
+    assert (
+        " WARNING inharness.operator.pools: test/calc: pool calc-pool: cannot claim from the gateway"
+        in lines[0]
+    )
+    pool_events = [
+        e
+        for (res, _ns, _name), obj in c.k8s.objects.items()
+        if res.plural == "events" and not obj.deleted
+        for e in [plain(obj.raw)]
+        if e["involvedObject"]["kind"] == "RolloutPool"
+    ]
+    assert [(e["type"], e["reason"]) for e in pool_events] == [("Warning", "GatewayUnreachable")]

@@ -1,13 +1,19 @@
 """The one retry policy of the rollout controllers (rollouts/base.py): tries doubling their wait,
-transient errors retried, others and the last one raised."""
+transient errors retried, others and the last one raised; failing claims backed off with jitter,
+said once and then summarised."""
 
 import asyncio
+import itertools
+import time
 
 import httpx
 import pytest
+from testsupport import eventually
 
 from inharness.gateway.client import GatewayError
-from inharness.operator.rollouts.base import backoff, gateway_transient, retry
+from inharness.gateway.schema import ClaimedAttempt
+from inharness.operator.rollouts import Outcome
+from inharness.operator.rollouts.base import Abort, ClaimingController, backoff, gateway_transient, retry
 
 
 def test_backoff_doubles_from_its_first_wait_up_to_its_cap() -> None:
@@ -49,3 +55,65 @@ async def test_retry_retries_transient_errors_and_raises_the_others_and_the_last
     with pytest.raises(httpx.ConnectError):
         await asyncio.wait_for(retry(down, tries=4, transient=gateway_transient, first=0.001), 5)
     assert len(calls) == 4
+
+
+def test_backoff_with_jitter_waits_a_random_part_less_never_more() -> None:
+    waits = [backoff(3, 0.5, 10.0, jitter=0.5) for _ in range(200)]
+    assert all(1.0 <= w <= 2.0 for w in waits) and len(set(waits)) > 100
+
+
+class _Gateway:
+    """A gateway whose claims fail (no connection) until `up`, then find an empty queue."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.claims: list[float] = []
+
+    async def claim(self, pool: str, lease_seconds: float) -> None:
+        self.claims.append(time.monotonic())
+        if not self.up:
+            raise httpx.ConnectError("All connection attempts failed")
+
+
+class _Idle(ClaimingController):
+    claim_retry_first = 0.1
+    claim_retry_cap = 1.0
+    claim_summary_seconds = 1.0
+
+    async def execute(self, attempt: ClaimedAttempt, abort: Abort) -> Outcome:
+        raise AssertionError("nothing is ever claimed")
+
+
+async def test_failing_claims_back_off_are_said_once_then_summarised_and_recover() -> None:
+    gateway = _Gateway()
+    said: list[str] = []
+    warned: list[str] = []
+    controller = _Idle(
+        gateway,  # type: ignore[arg-type]
+        "calc-pool",
+        parallelism=2,
+        lease_seconds=60,
+        heartbeat_seconds=10,
+        log=said.append,
+    )
+    controller.warn = warned.append
+    stop = asyncio.Event()
+    task = asyncio.create_task(controller.run(stop))
+    try:
+        await asyncio.sleep(3.5)
+        # 0.1, 0.2, 0.4, 0.8, 1, 1, ... s less up to half each: 5 to 11 tries in 3.5 s, not 1 per 0.05-0.5 s
+        assert 5 <= len(gateway.claims) <= 11, len(gateway.claims)
+        gaps = [b - a for a, b in itertools.pairwise(gateway.claims)]
+        assert max(gaps) >= 0.5
+        trouble = controller.claim_trouble
+        assert trouble is not None and trouble.reason == "ConnectError: All connection attempts failed"
+        assert warned[0] == f"pool calc-pool: cannot claim from the gateway, backing off: {trouble.reason}"
+        summaries = warned[1:]
+        assert 2 <= len(summaries) <= 4 and all("claim still failing for" in w for w in summaries), warned
+        assert said == []
+        gateway.up = True
+        await eventually(lambda: controller.claim_trouble is None, "claims pass again", within=5)
+        assert said == [said[0]] and said[0].startswith("pool calc-pool: claiming again after")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)

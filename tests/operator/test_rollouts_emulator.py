@@ -21,6 +21,7 @@ import yaml
 from conftest import ADMIN
 from fake_kubelet import FakeJobController, FakeKubelet, RolloutCluster
 from kmock import Server
+from kube_emulator import plain
 from testsupport import Server as GatewayServer
 from testsupport import eventually, gateway_server
 
@@ -75,7 +76,7 @@ class Env:
         out = {}
         for (res, ns, name), obj in self.k8s.objects.items():
             if res.plural == plural and ns == NS and not obj.deleted:
-                out[name] = _plain(obj.raw)
+                out[name] = plain(obj.raw)
         return out
 
     def pods(self) -> dict[str, dict[str, Any]]:
@@ -128,14 +129,6 @@ class Env:
             return got if all(r.status in ("succeeded", "failed") for r in got) else None
 
         return await eventually(all_done, f"rollouts {ids} settled", within)
-
-
-def _plain(value: Any) -> Any:
-    if hasattr(value, "items"):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
 
 
 @pytest.fixture

@@ -20,9 +20,11 @@ gateway's queued rollouts), running (attempts in flight), succeeded and failed (
 controllers reported; kept across operator restarts by starting from the previous status); and
 the conditions Ready (a controller runs, else why not: NoTrainingRun, GatewayNotReady,
 HarnessSpecNotFound, InvalidHarnessSpec, InvalidRolloutPool, HarnessImageMissing,
-BackendLocal) and Degraded (True, with the failure's reason, when most of the
-last attempts failed for the same cause: OOMKilled, ImagePullBackOff, Unschedulable, ...). A
-Degraded turning True or changing reason is a Warning Event on the pool.
+BackendLocal), Degraded (True, with the failure's reason, when most of the
+last attempts failed for the same cause: OOMKilled, ImagePullBackOff, Unschedulable, ...) and
+GatewayReachable (False, reason GatewayUnreachable, while a controller's claims fail: since when
+and the last error; the controller backs off meanwhile, rollouts/base.py). A Degraded turning True
+or changing reason, and GatewayReachable turning False, are Warning Events on the pool.
 """
 
 import asyncio
@@ -31,6 +33,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -278,6 +281,9 @@ class PoolManager:
         def say(message: str) -> None:
             log.info("%s/%s: %s", want.namespace, want.run, message)
 
+        def warn(message: str) -> None:
+            log.warning("%s/%s: %s", want.namespace, want.run, message)
+
         controller = KubernetesRolloutController(
             gateway,
             self.kube,
@@ -290,6 +296,7 @@ class PoolManager:
             log=say,
             on_finish=finished,
         )
+        controller.warn = warn
         stop = asyncio.Event()
         task = asyncio.create_task(
             self._run(controller, stop, want), name=f"pool-{want.namespace}-{want.run}"
@@ -353,6 +360,7 @@ class PoolManager:
             reason, message = problem or ("GatewayNotReady", "waiting for a TrainingRun's gateway")
             ready = cond.condition("Ready", False, reason, message)
         degraded = self._degraded(state, current)
+        reachable = _gateway_reachable(lives)
         generation = int(meta.get("generation") or 1)
         new = RolloutPoolStatus.model_validate(
             {
@@ -363,7 +371,7 @@ class PoolManager:
                 "failed": state.failed,
                 "conditions": cond.merge(
                     current.get("conditions"),
-                    [ready, degraded],
+                    [ready, degraded, reachable],
                     generation=generation,
                     now=cond.now_rfc3339(),
                 ),
@@ -387,6 +395,10 @@ class PoolManager:
         ):
             self.metrics.error("RolloutPool", degraded["reason"])
             await self.events.warn(body, degraded["reason"], degraded["message"])
+        was = cond.find(current.get("conditions"), "GatewayReachable") or {}
+        if reachable["status"] == "False" and was.get("status") != "False":
+            self.metrics.error("RolloutPool", reachable["reason"])
+            await self.events.warn(body, reachable["reason"], reachable["message"])
 
     @staticmethod
     def _degraded(state: _PoolState, current: Mapping[str, Any]) -> dict[str, Any]:
@@ -407,6 +419,31 @@ class PoolManager:
                 )
                 return cond.condition("Degraded", True, _condition_reason(top), message[:4096])
         return cond.condition("Degraded", False, "AsExpected")
+
+
+def _gateway_reachable(lives: list[_Live]) -> dict[str, Any]:
+    """GatewayReachable: False while a controller's claims fail (since when, and the last error),
+    True while they pass, Unknown when no controller claims."""
+    if not lives:
+        return cond.condition("GatewayReachable", "Unknown", "NoController", "no controller claims attempts")
+    failing = sorted(
+        (live.want.run, live.controller.claim_trouble)
+        for live in lives
+        if live.controller.claim_trouble is not None
+    )
+    if not failing:
+        runs = ", ".join(sorted(live.want.run for live in lives))
+        return cond.condition("GatewayReachable", True, "Claiming", f"claims reach the gateway of {runs}")
+    message = "; ".join(
+        f"cannot claim from the gateway of TrainingRun {run} since {_rfc3339(t.since)}: {t.reason}"
+        for run, t in failing
+        if t is not None
+    )
+    return cond.condition("GatewayReachable", False, "GatewayUnreachable", message[:4096])
+
+
+def _rfc3339(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _condition_reason(key: str) -> str:

@@ -396,7 +396,9 @@ class RolloutPoolStatus(SpecModel):
     succeeded: int = Field(default=0, ge=0, description="Attempts that succeeded.")
     failed: int = Field(default=0, ge=0, description="Attempts that failed.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Degraded.", json_schema_extra=_CONDITIONS_LIST
+        default_factory=list,
+        description="Ready, Degraded, GatewayReachable.",
+        json_schema_extra=_CONDITIONS_LIST,
     )
 
 

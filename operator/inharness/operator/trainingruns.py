@@ -10,7 +10,9 @@ How it converges (level-triggered):
 - No kopf timer or daemon: kopf puts a finalizer on every object that has one, and a finalizer
   left behind by an uninstalled operator blocks deletion. Nothing outside Kubernetes needs cleaning
   up, so there is no finalizer: deletion is the garbage collector's, through owner references.
-- One reconcile at a time per run (a lock), so handler and resync never interleave their writes.
+- One reconcile at a time per run (a lock), so handler and resync never interleave their writes;
+  each reads the run afresh inside the lock, so none acts on a status another one already replaced
+  (at start, resume, resync and the pool's and harness's create handlers all reconcile a run).
 
 Status: observedGeneration, phase (Pending, Running, Suspended, Complete, Failed), progress from the
 gateway's /api/v1/progress (step, modelVersion, rewardMean, rollouts done and failed, rewardHistory),
@@ -146,6 +148,13 @@ async def reconcile(ctx: Context, body: Mapping[str, Any]) -> str | None:
     ns, name = meta.get("namespace") or ctx.settings.namespace, meta["name"]
     async with ctx.lock(ns, name):
         try:
+            # The body the caller holds was read before the lock: a reconcile that held it meanwhile
+            # may have written the status (and posted its phase change), so start from the live one.
+            try:
+                body = await ctx.kube.get(TRAININGRUNS, name, ns)
+            except NotFound:
+                ctx.forget(ns, name)
+                return None
             phase = await _reconcile(ctx, body, ns, name)
         except Exception as exc:
             ctx.metrics.reconciled("TrainingRun", "error")

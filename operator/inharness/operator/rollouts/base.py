@@ -11,17 +11,22 @@ says how to run one attempt to an `Outcome` (`execute`) and, where it needs to, 
 - `reported`: after it was (cleanup, or keeping for inspection);
 - `attempt_done`: when an attempt's task ends, reported or `Detached`.
 
-`retry` and `backoff` are the one retry policy of every backend: tries doubling their wait.
+`retry` and `backoff` are the one retry policy of every backend: tries doubling their wait. A claim
+that fails (the gateway unreachable, a 5xx) is retried that way with jitter, up to
+`claim_retry_cap`; a backend that claims by itself reports each failure with `claim_failed`. The
+first failure is logged through `warn` with its reason, then one line at most every
+`claim_summary_seconds`, and `claim_trouble` says it to whoever writes a status.
 """
 
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, TypeVar
 
 import httpx
@@ -48,9 +53,11 @@ Outage = Callable[[float], Awaitable[str | None]]
 fault, e.g. "engine was killed by SIGKILL"; None when nothing was down."""
 
 
-def backoff(tries: int, first: float = 0.5, cap: float = 10.0) -> float:
-    """Seconds to wait after the `tries`-th failure in a row: first, 2 * first, 4 * first, ... ≤ cap."""
-    return min(cap, first * 2 ** (max(tries, 1) - 1))
+def backoff(tries: int, first: float = 0.5, cap: float = 10.0, jitter: float = 0.0) -> float:
+    """Seconds to wait after the `tries`-th failure in a row: first, 2 * first, 4 * first, ... ≤ cap;
+    with `jitter` (0..1) a random part of it less (at most that fraction), so that many clients
+    failing at once do not retry in step."""
+    return min(cap, first * 2 ** (max(tries, 1) - 1)) * (1.0 - jitter * random.random())
 
 
 async def retry(
@@ -84,6 +91,20 @@ def pool_settings(pool: RolloutPoolSpec, harness: HarnessSpecSpec) -> dict[str, 
         "lease_seconds": pool.lease_for(harness),
         "heartbeat_seconds": pool.heartbeat_seconds,
     }
+
+
+@dataclass
+class ClaimTrouble:
+    """Claims failing in a row: why (the last error), since when (time.time()), how many rounds."""
+
+    reason: str
+    since: float
+    tries: int = 1
+    said: float = 0.0  # time.monotonic() of the last log line about it
+
+    @property
+    def seconds(self) -> float:
+        return time.time() - self.since
 
 
 class RunnerFault(Exception):
@@ -151,6 +172,9 @@ class ClaimingController(ABC):
 
     idle_min_seconds = 0.05
     idle_max_seconds = 0.5
+    claim_retry_first = 0.5  # the wait after a failed claim, doubling (with jitter) up to the cap
+    claim_retry_cap = 10.0
+    claim_summary_seconds = 30.0  # while claims fail, one log line at most this often
     report_tries = 3
     # Gateway calls in flight at most (None: no limit). A backend with thousands of attempts sets it:
     # httpx's connection pool does work in proportion to its waiting requests on every change, so
@@ -177,6 +201,10 @@ class ClaimingController(ABC):
         self.lease_seconds = lease_seconds
         self.heartbeat_seconds = heartbeat_seconds
         self.log = log or _log.info
+        # Where claim trouble is said: a backend's owner may point it at a higher log level.
+        self.warn: Callable[[str], None] = log or _log.warning
+        self.claim_trouble: ClaimTrouble | None = None
+        self._claim_failed_now = False
         self.on_finish = on_finish
         self.on_report = on_report
         self.started = 0
@@ -286,10 +314,18 @@ class ClaimingController(ABC):
             if free <= 0:
                 await self.wait_for_slot(stopped)
                 continue
+            self._claim_failed_now = False
             attempts = await self.claim(free, stopped)
+            trouble = self.claim_trouble
+            if trouble is not None and not self._claim_failed_now:
+                self.claim_trouble = None
+                self.log(f"pool {self.pool_name}: claiming again after {trouble.seconds:.0f} s of failures")
             if not attempts:
-                idle_polls += 1
-                wait = backoff(idle_polls, self.idle_min_seconds, self.idle_max_seconds)
+                if self._claim_failed_now and trouble is not None:
+                    wait = backoff(trouble.tries, self.claim_retry_first, self.claim_retry_cap, jitter=0.5)
+                else:
+                    idle_polls += 1
+                    wait = backoff(idle_polls, self.idle_min_seconds, self.idle_max_seconds)
                 await asyncio.wait([stopped], timeout=wait)
                 continue
             idle_polls = 0
@@ -316,8 +352,29 @@ class ClaimingController(ABC):
             async with self.gate:
                 return await self.gateway.claim(self.pool_name, self.lease_seconds)
         except (GatewayError, httpx.HTTPError) as exc:
-            self.log(f"pool {self.pool_name}: claim failed, retrying: {exc}")
+            self.claim_failed(exc)
             return None
+
+    def claim_failed(self, exc: Exception) -> None:
+        """A claim request failed: the claim loop backs off (doubling, with jitter) until one passes.
+        Said once with the reason, then at most every `claim_summary_seconds`; several failures in
+        one claim round (a wave of single claims) count as one try."""
+        reason = (f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc))[:500]
+        now = time.monotonic()
+        trouble = self.claim_trouble
+        if trouble is None:
+            self.claim_trouble = ClaimTrouble(reason, time.time(), said=now)
+            self.warn(f"pool {self.pool_name}: cannot claim from the gateway, backing off: {reason}")
+        else:
+            trouble.reason = reason
+            trouble.tries += 0 if self._claim_failed_now else 1
+            if now - trouble.said >= self.claim_summary_seconds:
+                trouble.said = now
+                self.warn(
+                    f"pool {self.pool_name}: claim still failing for {trouble.seconds:.0f} s "
+                    f"({trouble.tries} tries): {reason}"
+                )
+        self._claim_failed_now = True
 
     # -- one attempt --------------------------------------------------------------------------------
 

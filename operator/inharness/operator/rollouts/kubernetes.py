@@ -348,12 +348,12 @@ class KubernetesRolloutController(ClaimingController):
                     return await self.gateway.claim_batch(self.pool_name, self.lease_seconds, n)
             except GatewayError as exc:
                 if exc.status not in (404, 405):
-                    self.log(f"pool {self.pool_name}: claim failed, retrying: {exc}")
+                    self.claim_failed(exc)
                     return []
                 self.log(f"pool {self.pool_name}: the gateway has no batch claims; claiming one at a time")
                 self._batch_claims = False
             except httpx.HTTPError as exc:
-                self.log(f"pool {self.pool_name}: claim failed, retrying: {exc!r}")
+                self.claim_failed(exc)
                 return []
         out: list[ClaimedAttempt] = []
         while len(out) < n:
