@@ -4,8 +4,8 @@ kmock leaves out.
 
 Not a kube-apiserver (none can run here): objects are JSON merged by merge-patch, nothing is
 validated against a schema (no CRD schema, no CEL: tests/operator/test_crds.py checks those offline
-with the real schemas), no controller runs (no pods, no status on Deployments), no server-side
-apply, no JSON patch. What this adds, and nothing more:
+with the real schemas), no controller runs (no pods, no status on Deployments), no JSON patch, no
+strategic merge (a strategic patch merges as a merge patch does). What this adds, and nothing more:
 - metadata.uid, creationTimestamp and generation 1 on create; a name for `generateName` (events);
 - a new resourceVersion on every write;
 - generation + 1 when a write changes `spec` (not through the status subresource);
@@ -22,23 +22,54 @@ apply, no JSON patch. What this adds, and nothing more:
 - garbage collection of owner references: deleting an object deletes, at once and recursively,
   the objects all of whose owners were deleted (unless `propagationPolicy: Orphan`), also one
   created later for a deleted owner; an owner the emulator never held (a test's made-up uid)
-  keeps its dependents.
+  keeps its dependents;
+- a fake server-side apply (PATCH with `Content-Type: application/apply-patch+yaml`, what
+  `kubectl apply --server-side` and helm v4 send): the object is created when absent; when present
+  the applied fields are merged in (mappings merged recursively, lists replaced, as a merge patch
+  does), a write like the others, and nothing is written when that changes nothing (the API server
+  keeps the resourceVersion of a no-op apply too). No field ownership: no managedFields, never a
+  conflict, so `fieldManager` and `force` are accepted and ignored, and a field dropped from the
+  applied object stays (the API server would remove it, its manager no longer owning it);
+- for helm v4: `/version` saying 1.35 (kmock says 1.26; the chart needs 1.29 or later); PUT as a
+  replacement of the stored object (no resourceVersion precondition); `labelSelector` on lists
+  (`a=b`, `==`, `!=`, `a`, `!a`); a namespace by name for every verb (kmock reads
+  `/api/v1/namespaces/<name>` as a namespace, not as an object); protobuf request bodies of
+  Secrets and DeleteOptions read as JSON (client-go 1.35's typed clients send protobuf; the
+  release Secrets are written so), answers always JSON, a 415 for any other kind in protobuf;
+- the emulator served on a thread of its own (`serving`), for tests that run kubectl and helm as
+  blocking subprocesses.
+
+Not there: a collection list of namespaces (`kubectl get namespaces`: kmock's path parser fails on
+`/api/v1/namespaces`; by name it works), short names of the built-in kinds (`deploy`, `ns`), 201 on
+create (always 200), watch bookmarks, a namespace's deletion taking its objects.
 """
 
+import asyncio
+import base64
+import contextlib
 import copy
 import itertools
+import json
+import threading
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp.web
+import attrs
 import yaml
-from kmock import KubernetesEmulator, ResourceInfo, action
+from kmock import KubernetesEmulator, ResourceInfo, Server, action, resource
 from kmock._internal.dicts import merge_patch_dict
 from kmock._internal.k8s import KubernetesObjectConflictError, KubernetesObjectNotFoundError
 
 _RW = {"get", "list", "watch", "create", "patch", "update", "delete"}
+_NAMESPACES = resource("", "v1", "namespaces")
+_VERBS = {"GET": action.FETCH, "PATCH": action.UPDATE, "PUT": action.UPDATE, "DELETE": action.DELETE}
+_SYSTEM_FIELDS = {"uid", "creationTimestamp", "generation"}  # what a PUT cannot take away
+
+SERVER_VERSION = {"major": "1", "minor": "35", "gitVersion": "v1.35.0"}
 
 # (group/version/plural, kind, namespaced, subresources)
 RESOURCES = [
@@ -52,6 +83,12 @@ RESOURCES = [
     ("v1/pods", "Pod", True, {"status"}),
     ("v1/events", "Event", True, set()),
     ("v1/namespaces", "Namespace", False, set()),
+    ("v1/serviceaccounts", "ServiceAccount", True, set()),
+    ("rbac.authorization.k8s.io/v1/roles", "Role", True, set()),
+    ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True, set()),
+    ("rbac.authorization.k8s.io/v1/clusterroles", "ClusterRole", False, set()),
+    ("rbac.authorization.k8s.io/v1/clusterrolebindings", "ClusterRoleBinding", False, set()),
+    ("scheduling.k8s.io/v1/priorityclasses", "PriorityClass", False, set()),
     ("events.k8s.io/v1/events", "Event", True, set()),
     ("apps/v1/deployments", "Deployment", True, {"status", "scale"}),
     ("apps/v1/statefulsets", "StatefulSet", True, {"status", "scale"}),
@@ -79,17 +116,41 @@ class EmulatedCluster(KubernetesEmulator):
                 subresources=subresources,
             )
 
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """A protobuf body (what helm v4's typed clients send for Secrets) read as its JSON twin."""
+        if raw_request.content_type == PROTOBUF:
+            raw_request = raw_request.clone(
+                headers={**raw_request.headers, "Content-Type": "application/json"}
+            )
+            body = from_protobuf(await raw_request.read())
+            raw_request._read_bytes = json.dumps(body).encode()  # what read(), json() and text() return
+        return await super().__call__(raw_request)
+
     async def _handle(self, request: Any) -> Any:
         path = request.url.path
         if path == "/openapi/v3" or path.startswith("/openapi/v3/"):
             return self._openapi(path.removeprefix("/openapi/v3").strip("/"))
         parts = path.strip("/").split("/")
         if parts[:3] == ["api", "v1", "namespaces"] and len(parts) == 4:  # kmock reads it as a namespace
-            return self._namespace(parts[3])
+            verb = _VERBS.get(request.method) if request.params.get("watch") != "true" else request.action
+            request = self._reread(request, resource=_NAMESPACES, namespace=None, name=parts[3], action=verb)
         if request.resource is None:
             return await super()._handle(request)
         key = (request.resource, request.namespace, request.name)
         exists = key in self.objects and not self.objects[key].deleted
+        if request.method == "PUT" and request.name is not None and isinstance(request.data, dict):
+            current = plain(self.objects[key].raw) if exists else {}
+            kept = {k: v for k, v in (current.get("metadata") or {}).items() if k in _SYSTEM_FIELDS}
+            new = {**request.data, "metadata": {**(request.data.get("metadata") or {}), **kept}}
+            request = self._reread(request, action=action.UPDATE, data=_replacing(current, new))
+        if "apply-patch" in (request.headers.get("Content-Type") or "") and request.name is not None:
+            applied = request.data if isinstance(request.data, dict) else yaml.safe_load(request.text)
+            applied.setdefault("metadata", {}).setdefault("name", request.name)
+            current = plain(self.objects[key].raw) if exists else None
+            if current is not None and merge_patch_dict(current, applied) == current:
+                return _json(current)  # a no-op apply writes nothing
+            as_create = {} if exists else {"method": "POST", "action": action.CREATE, "name": None}
+            request = self._reread(request, data=applied, **as_create)
         if request.params.get("dryRun") and (request.action == action.CREATE or exists):
             return self._dry_run(request)
         if isinstance(request.data, dict):
@@ -116,6 +177,15 @@ class EmulatedCluster(KubernetesEmulator):
         ):
             await self._collect_garbage()  # also what was created for an owner deleted meanwhile
         return response
+
+    def _reread(self, request: Any, **changes: Any) -> Any:
+        """The request as the API server reads it; kmock routes a request only if its log holds that
+        very object, so the new one takes the old one's place there (an apply that creates is logged
+        as a POST, a PUT as a merge patch)."""
+        new = attrs.evolve(request, **changes)
+        log = self._requests
+        log[next(i for i in range(len(log) - 1, -1, -1) if log[i] is request)] = new
+        return new
 
     def _stamp_create(self, request: Any) -> None:
         meta = request.data.setdefault("metadata", {})
@@ -162,16 +232,9 @@ class EmulatedCluster(KubernetesEmulator):
 
     # -- what kubectl needs -------------------------------------------------------------------------
 
-    def _namespace(self, name: str) -> aiohttp.web.Response:
-        obj = next(
-            (
-                o
-                for (r, _, n), o in self.objects.items()
-                if r.plural == "namespaces" and n == name and not o.deleted
-            ),
-            None,
-        )
-        return _json(plain(obj.raw)) if obj else _status(404, "NotFound", f'namespaces "{name}" not found')
+    async def _serve_server_version(self, request: Any) -> Any:
+        """/version: the version of the kubectl beside it, not kmock's 1.26 (the chart needs 1.29+)."""
+        return {**await super()._serve_server_version(request), **SERVER_VERSION}
 
     async def _serve_version(self, request: Any) -> Any:
         """APIResourceList of one group/version, with the core group's groupVersion `v1`."""
@@ -263,7 +326,8 @@ class EmulatedCluster(KubernetesEmulator):
         return self._table(request.resource, [plain(obj)]) if _wants_table(request) else obj
 
     async def _serve_list(self, request: Any) -> Any:
-        """A list (or a Table of it) with its kind, honouring `fieldSelector` (`a.b=c`, `==`, `!=`)."""
+        """A list (or a Table of it) with its kind, honouring `fieldSelector` (`a.b=c`, `==`, `!=`) and
+        `labelSelector` (`a=b`, `==`, `!=`, `a`, `!a`; no set terms)."""
         res = request.resource
         if res not in self.resources:
             return await super()._serve_list(request)
@@ -276,6 +340,8 @@ class EmulatedCluster(KubernetesEmulator):
             negate = "!=" in term
             field, value = term.replace("!=", "=").replace("==", "=").split("=", 1)
             items = [i for i in items if (str(_dotted(i, field)) == value) != negate]
+        for term in filter(None, (request.params.get("labelSelector") or "").split(",")):
+            items = [i for i in items if _selects(term, i["metadata"].get("labels") or {})]
         if _wants_table(request):
             return self._table(res, items)
         gv = f"{res.group}/{res.version}" if res.group else res.version
@@ -346,6 +412,145 @@ class EmulatedCluster(KubernetesEmulator):
                 return
 
 
+@contextlib.contextmanager
+def serving(
+    tmp: Path,
+    *,
+    namespaces: tuple[str, ...] = (),
+    alongside: Callable[[Path], contextlib.AbstractAsyncContextManager[Any]] | None = None,
+) -> Iterator[Path]:
+    """The emulator on a thread of its own, for the real kubectl and helm (blocking subprocesses), with
+    `namespaces` made and `alongside(kubeconfig)` (the operator) entered while it serves; yields the
+    kubeconfig. On exit it stops, and re-raises what failed on its thread."""
+    ready, stopped = threading.Event(), threading.Event()
+    failure: list[BaseException] = []
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    kubeconfig = tmp / "kubeconfig"
+
+    async def serve() -> None:
+        async with EmulatedCluster() as k8s, Server(k8s) as server:
+            for name in namespaces:
+                k8s.add_namespace(name)
+            k8s.kubeconfig(kubeconfig, str(server.url).rstrip("/"))
+            async with alongside(kubeconfig) if alongside else contextlib.nullcontext():
+                ready.set()
+                await stop.wait()
+
+    def main() -> None:
+        try:
+            loop.run_until_complete(serve())
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            ready.set()
+            stopped.set()
+
+    thread = threading.Thread(target=main, name="emulator", daemon=True)
+    thread.start()
+    assert ready.wait(90) and not failure, failure
+    try:
+        yield kubeconfig
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        assert stopped.wait(60), "the emulator thread did not stop"
+        thread.join(10)
+        loop.close()
+        assert not failure, failure
+
+
+# Protobuf, as much as helm's release Secrets and their deletion need: per message, field number ->
+# (JSON name, type); a type is a message's name, `string`, `bytes` (base64 in JSON), `int`, `bool`,
+# `[string]` (repeated) or `{string}`, `{bytes}` (maps). Other fields (timestamps, owner
+# references, managedFields) are skipped: a 415 for any other kind.
+PROTOBUF = "application/vnd.kubernetes.protobuf"
+_MESSAGES: dict[str, dict[int, tuple[str, str]]] = {
+    "ObjectMeta": {
+        1: ("name", "string"),
+        2: ("generateName", "string"),
+        3: ("namespace", "string"),
+        5: ("uid", "string"),
+        6: ("resourceVersion", "string"),
+        7: ("generation", "int"),
+        11: ("labels", "{string}"),
+        12: ("annotations", "{string}"),
+        14: ("finalizers", "[string]"),
+    },
+    "Secret": {
+        1: ("metadata", "ObjectMeta"),
+        2: ("data", "{bytes}"),
+        3: ("type", "string"),
+        5: ("immutable", "bool"),
+    },
+    "DeleteOptions": {
+        1: ("gracePeriodSeconds", "int"),
+        4: ("propagationPolicy", "string"),
+        5: ("dryRun", "[string]"),
+    },
+}
+
+
+def from_protobuf(body: bytes) -> dict[str, Any]:
+    """A Kubernetes protobuf body (`k8s\\0`, then a runtime.Unknown: typeMeta, raw) as JSON."""
+    if not body.startswith(b"k8s\x00"):
+        raise aiohttp.web.HTTPUnsupportedMediaType(text="not a Kubernetes protobuf envelope")
+    envelope = dict(_wire(body[4:]))
+    type_meta = {1: "", 2: ""} | dict(_wire(envelope.get(1, b"")))
+    api_version, kind = (type_meta[n].decode() for n in (1, 2))
+    if kind not in _MESSAGES:
+        raise aiohttp.web.HTTPUnsupportedMediaType(text=f"no protobuf here for {kind}")
+    return {"apiVersion": api_version, "kind": kind, **_message(kind, envelope.get(2, b""))}
+
+
+def _message(name: str, buf: bytes) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for number, value in _wire(buf):
+        if number not in _MESSAGES[name]:
+            continue
+        field, kind = _MESSAGES[name][number]
+        if kind.startswith("{"):
+            entry = {1: b"", 2: b""} | dict(_wire(value))
+            text = base64.b64encode(entry[2]).decode() if kind == "{bytes}" else entry[2].decode()
+            out.setdefault(field, {})[entry[1].decode()] = text
+        elif kind == "[string]":
+            out.setdefault(field, []).append(value.decode())
+        elif kind in ("int", "bool"):
+            out[field] = bool(value) if kind == "bool" else value
+        elif kind == "string":
+            if value:  # proto2 writes unset strings as empty ones
+                out[field] = value.decode()
+        else:
+            out[field] = _message(kind, value)
+    return out
+
+
+def _wire(buf: bytes) -> Iterator[tuple[int, Any]]:
+    """Protobuf's wire format: (field number, an int for a varint, bytes for the rest)."""
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        wire = key & 7
+        if wire == 0:
+            value, i = _varint(buf, i)
+        elif wire == 2:
+            size, i = _varint(buf, i)
+            value, i = buf[i : i + size], i + size
+        else:  # fixed 64 or 32 bits
+            size = 8 if wire == 1 else 4
+            value, i = buf[i : i + size], i + size
+        yield key >> 3, value
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if byte < 0x80:
+            return value, i
+
+
 def plain(value: Any) -> Any:
     """kmock's stored object (mappings of its own) as plain dicts and lists."""
     if hasattr(value, "items"):
@@ -353,6 +558,27 @@ def plain(value: Any) -> Any:
     if isinstance(value, list):
         return [plain(v) for v in value]
     return value
+
+
+def _replacing(current: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch that turns `current` into `new`: PUT as a replacement, on kmock's patching."""
+    patch: dict[str, Any] = {k: None for k in current if k not in new}
+    for k, v in new.items():
+        both_maps = isinstance(v, dict) and isinstance(current.get(k), dict)
+        patch[k] = _replacing(current[k], v) if both_maps else v
+    return patch
+
+
+def _selects(term: str, labels: dict[str, str]) -> bool:
+    """One term of a label selector: `a=b`, `a==b`, `a!=b`, `a` (present), `!a` (absent)."""
+    if "!=" in term:
+        key, value = term.split("!=", 1)
+        return labels.get(key.strip()) != value.strip()
+    if "=" in term:
+        key, value = term.replace("==", "=").split("=", 1)
+        return labels.get(key.strip()) == value.strip()
+    term = term.strip()
+    return term[1:] not in labels if term.startswith("!") else term in labels
 
 
 def _dotted(obj: Any, path: str) -> Any:

@@ -7,17 +7,17 @@ dry run stored nowhere, and `kubectl delete -f` taking the children with it.
 What the emulator cannot do is checked elsewhere: the CRD schemas and their CEL rules offline
 with the real schemas (test_crds.py), the Deployment and StatefulSet controllers not at all (the
 test writes the gateway's available status with `kubectl patch --subresource=status`, as the
-Deployment controller would). `helm install` is tests/manifests/test_chart.py's.
+Deployment controller would). The install commands (`kubectl apply --server-side -k`, `helm
+install`) are test_install_flow.py's.
 
 One emulator and one operator for the module; the tests run in file order (the last one deletes).
 """
 
-import asyncio
+import contextlib
 import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,8 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kmock import Server
-from kube_emulator import EmulatedCluster
+from kube_emulator import serving
 from operator_process import operator_running
 
 from inharness.procs import free_port
@@ -90,53 +89,23 @@ def kubectl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kubectl]:
     """The emulator and the operator in a thread of their own, the CRDs applied as the chart would
     (`kubectl apply -f crds/`), and a kubectl pointed at them."""
     tmp = tmp_path_factory.mktemp("kubectl")
-    ready, stopped = threading.Event(), threading.Event()
-    failure: list[BaseException] = []
-    loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
 
-    async def serve() -> None:
-        async with EmulatedCluster() as k8s, Server(k8s) as server:
-            k8s.add_namespace(NS)
-            k8s.add_namespace("dry")
-            kubeconfig = k8s.kubeconfig(tmp / "kubeconfig", str(server.url).rstrip("/"))
-            async with operator_running(
-                kubeconfig,
-                tmp / "operator.log",
-                namespace=NS,
-                gateway_url=f"http://127.0.0.1:{free_port()}",  # nothing listens: no progress to read
-            ):
-                ready.set()
-                await stop.wait()
+    def operator(kubeconfig: Path) -> contextlib.AbstractAsyncContextManager[Any]:
+        # nothing listens at the gateway's url: no progress to read
+        return operator_running(
+            kubeconfig, tmp / "operator.log", namespace=NS, gateway_url=f"http://127.0.0.1:{free_port()}"
+        )
 
-    def main() -> None:
-        try:
-            loop.run_until_complete(serve())
-        except BaseException as exc:
-            failure.append(exc)
-        finally:
-            ready.set()
-            stopped.set()
-
-    thread = threading.Thread(target=main, name="emulator", daemon=True)
-    thread.start()
-    assert ready.wait(90) and not failure, failure
-    k = Kubectl(tmp / "kubeconfig", tmp / "cache")
-    out = k("apply", "-f", "crds/")
-    assert out.splitlines() == [
-        f"customresourcedefinition.apiextensions.k8s.io/{plural}.inharness.dev created"
-        for plural in ("harnessspecs", "rolloutpools", "trainingruns")
-    ]
-    try:
+    with serving(tmp, namespaces=(NS, "dry"), alongside=operator) as kubeconfig:
+        k = Kubectl(kubeconfig, tmp / "cache")
+        out = k("apply", "-f", "crds/")
+        assert out.splitlines() == [
+            f"customresourcedefinition.apiextensions.k8s.io/{plural}.inharness.dev created"
+            for plural in ("harnessspecs", "rolloutpools", "trainingruns")
+        ]
         yield k
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        assert stopped.wait(60), "the emulator thread did not stop"
-        thread.join(10)
-        loop.close()
-        assert not failure, failure  # the operator's log held a traceback, or it did not stop
-        log = (tmp / "operator.log").read_text()
-        assert "Traceback" not in log, log[-4000:]
+    log = (tmp / "operator.log").read_text()  # the operator's log holds no traceback
+    assert "Traceback" not in log, log[-4000:]
 
 
 def _rows(table: str) -> list[list[str]]:
