@@ -1,11 +1,14 @@
 """The gateway's added latency and throughput, against the same engine called directly, in one run.
 
-A minimal fast engine (bench/fast_engine.py) answers at once, so the difference between the two
-paths is the proxy's own cost: admission, chat-template rendering and tokenisation, routing, the
-engine hop, detokenisation and tool-call parsing, and the durable record (SQLite WAL commit).
-Each client worker runs multi-turn conversations on its own attempt key, as harnesses do.
+A minimal fast engine (bench/fast_engine.py) answers at once, so the difference between the
+direct path and each gateway path is the proxy's own cost: admission, parsing the protocol,
+chat-template rendering and tokenisation, routing, the engine hop, detokenisation and tool-call
+parsing, rendering the answer, and the durable record (SQLite WAL commit). The same conversations
+go through each of the gateway's three protocols (OpenAI Chat Completions, OpenAI Responses,
+Anthropic Messages), posted as the official SDKs put them on the wire. Each client worker runs
+multi-turn conversations on its own attempt key, one key per worker and protocol, as harnesses do.
 
-Run: make bench-gateway   (or: .venv/bin/python bench/gateway.py [--requests N])
+Run: make bench-gateway   (or: .venv/bin/python bench/gateway.py [--requests N] [--requests-serial N])
 """
 
 import argparse
@@ -60,24 +63,113 @@ async def direct_worker(
         assert r.status == 200, r.status
 
 
+def _first_turn(w: int, i: int) -> str:
+    return f"What is {w}+{i}?"
+
+
+class ChatPath:
+    """OpenAI Chat Completions: the messages grow by the reply and a new user message."""
+
+    route = "/v1/chat/completions"
+
+    @staticmethod
+    def start(w: int, i: int) -> Any:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _first_turn(w, i)}]
+
+    @staticmethod
+    def body(history: Any) -> dict[str, Any]:
+        return {"model": "any-name", "messages": history, "tools": TOOLS, "max_tokens": 16, "temperature": 0}
+
+    @staticmethod
+    def extend(history: Any, answer: dict[str, Any]) -> Any:
+        return [*history, answer["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+
+
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+class ResponsesPath:
+    """OpenAI Responses, as Codex sends it: `instructions`, input items that grow by the output items."""
+
+    route = "/v1/responses"
+
+    @staticmethod
+    def user(text: str) -> dict[str, Any]:
+        return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+    @staticmethod
+    def start(w: int, i: int) -> Any:
+        return [ResponsesPath.user(_first_turn(w, i))]
+
+    @staticmethod
+    def body(history: Any) -> dict[str, Any]:
+        return {
+            "model": "any-name",
+            "instructions": SYSTEM,
+            "input": history,
+            "tools": RESPONSES_TOOLS,
+            "max_output_tokens": 16,
+            "temperature": 0,
+            "store": False,
+        }
+
+    @staticmethod
+    def extend(history: Any, answer: dict[str, Any]) -> Any:
+        return [*history, *answer["output"], ResponsesPath.user("and then?")]
+
+
+MESSAGES_TOOLS = [
+    {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+    for f in (t["function"] for t in TOOLS)
+]
+
+
+class MessagesPath:
+    """Anthropic Messages, as Claude Code sends it: `system`, messages of content blocks."""
+
+    route = "/v1/messages"
+
+    @staticmethod
+    def start(w: int, i: int) -> Any:
+        return [{"role": "user", "content": _first_turn(w, i)}]
+
+    @staticmethod
+    def body(history: Any) -> dict[str, Any]:
+        return {
+            "model": "any-name",
+            "system": SYSTEM,
+            "messages": history,
+            "tools": MESSAGES_TOOLS,
+            "max_tokens": 16,
+            "temperature": 0,
+        }
+
+    @staticmethod
+    def extend(history: Any, answer: dict[str, Any]) -> Any:
+        return [
+            *history,
+            {"role": "assistant", "content": answer["content"]},
+            {"role": "user", "content": "and then?"},
+        ]
+
+
+PATHS: dict[str, Any] = {"chat": ChatPath, "responses": ResponsesPath, "messages": MessagesPath}
+
+
 async def gateway_worker(
-    session: aiohttp.ClientSession, url: str, token: str, n: int, w: int, out: list[float]
+    session: aiohttp.ClientSession, url: str, path: Any, token: str, n: int, w: int, out: list[float]
 ) -> None:
     headers = {"Authorization": f"Bearer {token}"}
-    messages: list[dict[str, Any]] = []
+    history: Any = None
     for i in range(n):
         if i % TURNS == 0:
-            messages = [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"What is {w}+{i}?"},
-            ]
-        body = {"model": "any-name", "messages": messages, "tools": TOOLS, "max_tokens": 16, "temperature": 0}
+            history = path.start(w, i)
         t = time.perf_counter()
-        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        async with session.post(f"{url}{path.route}", json=path.body(history), headers=headers) as r:
             data = await r.json()
         out.append(time.perf_counter() - t)
         assert r.status == 200, data
-        messages = [*messages, data["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+        history = path.extend(history, data)
 
 
 async def measure(mode: str, concurrency: int, total: int, ctx: dict[str, Any]) -> tuple[list[float], float]:
@@ -92,7 +184,7 @@ async def measure(mode: str, concurrency: int, total: int, ctx: dict[str, Any]) 
             ]
         else:
             jobs = [
-                gateway_worker(session, ctx["gateway"], ctx["tokens"][w], per, w, lat)
+                gateway_worker(session, ctx["gateway"], PATHS[mode], ctx["tokens"][mode][w], per, w, lat)
                 for w in range(concurrency)
             ]
         t = time.perf_counter()
@@ -199,8 +291,8 @@ async def breakdown(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=1280, help="requests per mode at concurrency 64")
-    ap.add_argument("--requests-serial", type=int, default=400, help="requests per mode at concurrency 1")
+    ap.add_argument("--requests", type=int, default=1280, help="requests per path at concurrency 64")
+    ap.add_argument("--requests-serial", type=int, default=400, help="requests per path at concurrency 1")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -254,11 +346,14 @@ def main() -> int:
     gateway.start()
     try:
         with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
-            c.post("/api/v1/rollouts", json={"tasks": list(range(64))}).raise_for_status()
-            tokens = [
-                c.post("/api/v1/attempts/claim", json={"lease_seconds": 3600}).json()["attempt"]["token"]
-                for _ in range(64)
-            ]
+            c.post("/api/v1/rollouts", json={"tasks": list(range(64 * len(PATHS)))}).raise_for_status()
+            tokens = {
+                mode: [
+                    c.post("/api/v1/attempts/claim", json={"lease_seconds": 3600}).json()["attempt"]["token"]
+                    for _ in range(64)
+                ]
+                for mode in PATHS
+            }
         ctx: dict[str, Any] = {
             "engine": engine.url,
             "gateway": gateway.url,
@@ -266,33 +361,42 @@ def main() -> int:
             "tokens": tokens,
         }
 
+        modes = ("direct", *PATHS)
         lat: dict[tuple[str, int], list[float]] = {}
         wall: dict[tuple[str, int], float] = {}
         for conc, total in ((1, args.requests_serial), (64, args.requests)):
-            for mode in ("direct", "gateway"):  # warm-up, discarded
+            for mode in modes:  # warm-up, discarded
                 asyncio.run(measure(mode, conc, max(conc * 2, total // 10), ctx))
-            for _round in range(2):  # alternate, so drifts in machine load hit both paths alike
-                for mode in ("direct", "gateway"):
+            for _round in range(2):  # alternate, so drifts in machine load hit every path alike
+                for mode in modes:
                     got, sec = asyncio.run(measure(mode, conc, total // 2, ctx))
                     lat.setdefault((mode, conc), []).extend(got)
                     wall[(mode, conc)] = wall.get((mode, conc), 0.0) + sec
 
         cpus = Path("/proc/cpuinfo").read_text().count("processor")
-        print(f"\ngateway vs the same engine called directly (minimal fast engine), {cpus} CPUs")
-        print(f"{'concurrency':>11} {'path':>8} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
-        stats: dict[tuple[str, int], tuple[float, float, float]] = {}
+        print(
+            "\nthe gateway's three protocols vs the same engine called directly "
+            f"(minimal fast engine), {cpus} CPUs"
+        )
+        print(
+            f"{'concurrency':>11} {'path':>9} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}"
+            f" {'added p50 ms':>13} {'added p99 ms':>13} {'throughput ratio':>17}"
+        )
         for conc in (1, 64):
-            for mode in ("direct", "gateway"):
+            d50, d99 = pct(lat[("direct", conc)], 0.5), pct(lat[("direct", conc)], 0.99)
+            drps = len(lat[("direct", conc)]) / wall[("direct", conc)]
+            for mode in modes:
                 xs = lat[(mode, conc)]
-                stats[(mode, conc)] = (pct(xs, 0.5), pct(xs, 0.99), len(xs) / wall[(mode, conc)])
-                p50, p99, rps = stats[(mode, conc)]
-                print(f"{conc:>11} {mode:>8} {len(xs):>8} {p50 * 1e3:>8.2f} {p99 * 1e3:>8.2f} {rps:>8.0f}")
-        print(f"\n{'concurrency':>11} {'added p50 ms':>13} {'added p99 ms':>13} {'throughput ratio':>17}")
-        for conc in (1, 64):
-            d, g = stats[("direct", conc)], stats[("gateway", conc)]
-            print(
-                f"{conc:>11} {(g[0] - d[0]) * 1e3:>13.2f} {(g[1] - d[1]) * 1e3:>13.2f} {g[2] / d[2]:>17.2f}"
-            )
+                p50, p99, rps = pct(xs, 0.5), pct(xs, 0.99), len(xs) / wall[(mode, conc)]
+                added = (
+                    ""
+                    if mode == "direct"
+                    else (f" {(p50 - d50) * 1e3:>13.2f} {(p99 - d99) * 1e3:>13.2f} {rps / drps:>17.2f}")
+                )
+                print(
+                    f"{conc:>11} {mode:>9} {len(xs):>8} {p50 * 1e3:>8.2f} {p99 * 1e3:>8.2f}"
+                    f" {rps:>8.0f}{added}"
+                )
 
         steps = asyncio.run(breakdown(model, first_turn, work / "breakdown.db"))
         print("\nwhere a gateway call's own time goes (in-process, per call):")

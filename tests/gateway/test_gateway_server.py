@@ -305,30 +305,6 @@ def test_metrics_openapi_and_models(gateway: Server) -> None:
     assert httpx.get(f"{gateway.url}/api/v1/serving").status_code == 401
 
 
-def test_history_rewritten_by_the_harness_is_flagged_as_a_mismatch(gateway: Server) -> None:
-    attempt = new_attempt(gateway)
-    client = harness_client(gateway, attempt["token"])
-    first = client.chat.completions.create(model="m", messages=FIRST_TURN, tools=[CALC_TOOL], temperature=0)
-    edited = {"role": "assistant", "content": "I edited this reply."}
-    client.chat.completions.create(
-        model="m",
-        messages=[*FIRST_TURN, edited, {"role": "user", "content": "go on"}],
-        tools=[CALC_TOOL],
-        max_tokens=4,
-    )
-    assert first.choices
-    _c1, c2 = calls_of(gateway, attempt["id"])
-    assert (c2["prefix_reused"], c2["prefix_mismatch"], c2["parent_call_id"]) == (
-        False,
-        "history_diverged",
-        None,
-    )
-    assert (
-        'inharness_gateway_prefix_mismatch_total{reason="history_diverged"}'
-        in httpx.get(f"{gateway.url}/metrics").text
-    )
-
-
 def test_kill_9_and_restart_keeps_every_answered_call(
     engine: Server, tool_model: Path, tmp_path: Path, log_dir: Path
 ) -> None:

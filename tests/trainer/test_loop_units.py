@@ -2,9 +2,21 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
-from inharness.trainer.loop import LoopState, RunDir, batch_tasks
-from inharness.trainer.report import append_metrics, fifth_means, plot_rewards, read_metrics, truncate_metrics
+from test_samples import call, rollout
+
+from inharness.trainer.loop import LoopState, RunDir, TrainingLoop, batch_tasks
+from inharness.trainer.report import (
+    append_metrics,
+    fifth_means,
+    plot_rewards,
+    read_metrics,
+    summarize,
+    summary_table,
+    truncate_metrics,
+)
+from inharness.trainer.samples import build_batch
 
 
 def test_batches_are_deterministic_and_cover_each_epoch_once() -> None:
@@ -85,3 +97,25 @@ def test_loop_config_carries_every_algorithm_field_of_the_spec() -> None:
         0.7,
     )
     assert update.grad_clip == 0.25
+
+
+def test_root_reasons_reach_the_metrics_row_and_the_summary(tmp_path: Path) -> None:
+    rollouts = [
+        rollout([call(1, [1, 2], [3]), call(2, [5], [6], mismatch="new_conversation")], rid="a"),
+        rollout([call(3, [1, 2], [3]), call(4, [1, 9, 3, 7], [8], mismatch="history_rewritten")], rid="b"),
+        rollout([call(5, [1, 2], [3]), call(6, [4], [6], mismatch="new_conversation")], rid="c"),
+    ]
+    samples, stats = build_batch(rollouts)
+    loop = SimpleNamespace(state=LoopState(version=1))  # _metrics reads only the loop's state
+    row = TrainingLoop._metrics(loop, 0, rollouts, samples, stats, {}, (0.0, 1.0, 2.0, 3.0))  # type: ignore[arg-type]
+    assert row["root_reasons"] == {"new_conversation": 2, "history_rewritten": 1}
+    assert row["prefix_mismatches"] == 3
+    assert row["splits"] == {"prefix_mismatch:new_conversation": 2, "prefix_mismatch:history_rewritten": 1}
+
+    path = tmp_path / "metrics.jsonl"
+    append_metrics(path, row)
+    append_metrics(path, {**row, "step": 1, "root_reasons": {"system_changed": 1}, "prefix_mismatches": 1})
+    summary = summarize(read_metrics(path), wall_seconds=1.0)
+    assert summary["root_reasons"] == {"new_conversation": 2, "history_rewritten": 1, "system_changed": 1}
+    (line,) = [x for x in summary_table(summary).splitlines() if "new roots (by reason)" in x]
+    assert line.endswith(" 4 (new_conversation 2, history_rewritten 1, system_changed 1)")

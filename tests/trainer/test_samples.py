@@ -99,16 +99,39 @@ def test_tokens_decide_the_merge_not_parent_call_id() -> None:
 def test_rewritten_history_splits_with_the_gateway_reason() -> None:
     calls = three_turns()
     # Turn 3 arrives with a compacted history: it extends no earlier call token-exactly.
-    calls[2] = call(3, [1, 2, 3, 99, 12, 22], [13, 14], [-0.4, -0.5], mismatch="history_diverged")
+    calls[2] = call(3, [1, 2, 3, 99, 12, 22], [13, 14], [-0.4, -0.5], mismatch="history_rewritten")
     samples, stats = build_samples(rollout(calls))
     assert [s.call_ids for s in samples] == [[1, 2], [3]]
-    assert stats.splits == {"prefix_mismatch:history_diverged": 1}
+    assert stats.splits == {"prefix_mismatch:history_rewritten": 1}
     assert stats.merged_turns == 1
     assert stats.merged_turn_ratio == 0.5
     second = samples[1]
     assert second.input_ids == [1, 2, 3, 99, 12, 22, 13, 14]
     assert second.loss_mask == [0, 0, 0, 0, 0, 0, 1, 1]
     assert second.num_prompt_tokens == 6
+
+
+def test_a_call_tree_trains_each_token_once_and_splits_by_root_reason() -> None:
+    """Claude Code's shape: a main line, a side call (a title), a sub-agent of two turns, a branch from
+    the main line's first call after later calls, and a summary under another system prompt."""
+    calls = [
+        call(1, P1, [10, 11]),  # main, turn 1
+        call(2, [5, 6], [60], mismatch="new_conversation"),  # a side call: a title
+        call(3, [7, 8], [70, 71], mismatch="new_conversation"),  # the sub-agent's first call
+        call(4, P2, [12], parent=1),  # main, turn 2: extends call 1, not the latest call
+        call(5, [7, 8, 70, 71, 80], [72], parent=3),  # the sub-agent's second turn
+        call(6, [*P1, 10, 11, 90], [13], parent=1),  # a branch from call 1: fan-out
+        call(7, [4, 2, 3, 10, 11, 20, 21, 12, 25], [14], mismatch="system_changed"),  # a summary
+    ]
+    samples, stats = build_samples(rollout(calls))
+    assert [s.call_ids for s in samples] == [[1, 4], [2], [3, 5], [6], [7]]
+    assert stats.splits == {
+        "prefix_mismatch:new_conversation": 2,
+        "choice_fanout": 1,
+        "prefix_mismatch:system_changed": 1,
+    }
+    assert sum(s.num_generated_tokens for s in samples) == sum(len(c.response_ids) for c in calls)
+    assert samples[3].loss_mask == [0, 0, 0, 0, 0, 0, 1]  # call 1's reply is trained in [1, 4] only
 
 
 def test_template_not_prefix_splits_although_the_gateway_names_a_parent() -> None:

@@ -176,6 +176,7 @@ class CallContext:
                 prefix_mismatch=self.prompt.mismatch,
                 request_digest=self.chain[-1],
                 reply_digest=extend_digest(self.chain[-1], reply),
+                turns_digest=extend_digest(self.prompt.turns_digest, reply),
                 started_at=self.started_at,
                 first_token_at=self.first_token_at,
                 finished_at=now,
@@ -193,6 +194,7 @@ class CallContext:
                 rec.id,
                 rec.request_digest,
                 rec.reply_digest,
+                rec.turns_digest or "",
                 ParentCall(rec.id, list(self.prompt.ids), o.token_ids, o.finish_reason),
             )
         m = svc.metrics

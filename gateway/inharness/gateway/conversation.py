@@ -15,6 +15,8 @@ from typing import Any
 
 from jsonschema import Draft202012Validator, SchemaError
 
+TURNS_ROOT = "turns"  # where a turns chain (Conversation.turns_chain) starts
+
 
 @dataclass(frozen=True, slots=True)
 class FunctionCall:
@@ -47,6 +49,10 @@ class Message:
             out["tool_call_id"] = self.tool_call_id
         return out
 
+    @property
+    def is_system(self) -> bool:
+        return self.role in ("system", "developer")
+
     def canonical(self) -> str:
         calls = [[c.name, _canonical_json(c.arguments)] for c in self.tool_calls]
         role = "system" if self.role == "developer" else self.role
@@ -66,6 +72,19 @@ class Conversation:
         chain = [_digest("tools", json.dumps(self.tools, sort_keys=True, ensure_ascii=False))]
         for m in self.messages:
             chain.append(_digest(chain[-1], m.canonical()))
+        return chain
+
+    def turns_chain(self) -> list[tuple[int, str]]:
+        """The digest chain of the turns alone, without system messages and tools: (k, digest of the
+        non-system messages among messages[:k]) for every k after a non-system message. A call whose
+        turns extend an earlier reply's although its full chain does not kept the history and changed
+        its system prompt or tools."""
+        chain: list[tuple[int, str]] = []
+        tip = TURNS_ROOT
+        for k, m in enumerate(self.messages, start=1):
+            if not m.is_system:
+                tip = _digest(tip, m.canonical())
+                chain.append((k, tip))
         return chain
 
 

@@ -28,7 +28,7 @@ class GatewayMetrics:
         )
         self.prefix_mismatch = Counter(
             "inharness_gateway_prefix_mismatch",
-            "Turns that could not extend an earlier call of their attempt",
+            "Calls that extend no earlier call of their attempt (a new root of its call tree), by reason",
             ["reason"],
             registry=r,
         )

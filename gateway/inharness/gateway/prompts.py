@@ -5,17 +5,35 @@ the prompt is that call's prompt ids + its response ids + the ids of only what c
 template's closing of the assistant turn and the new messages. Consecutive turns are then
 prefix-exact and merge into one training sample. Where that cannot hold the prompt is the plain
 tokenisation of the rendered conversation, and the call says why (`mismatch`).
+
+The calls of an attempt form a tree: a call extends whichever earlier call its messages continue (a
+sub-agent's second turn extends the sub-agent's first, not the main line's latest). A call that
+extends none starts a new root; why is read from the conversation alone, in this order:
+
+- `new_conversation`: the request holds no assistant turn (a sub-agent's first call, a side call
+  such as a title, a compacted history resumed as a user message);
+- `system_changed`: its user/assistant/tool turns extend an earlier reply's, but the system prompt
+  or the tool list differs (a turns chain without system messages and tools matches);
+- `history_rewritten`: it holds assistant turns, and its turns extend no earlier reply (a reply
+  edited, history truncated or summarised in place);
+- `template_not_prefix`: it does extend an earlier call, but the chat template renders that call's
+  history differently once more follows, so the ids cannot be reused.
+
+An attempt's first call is a root without a reason; so is a conversation asked again unchanged
+(the same prompt as before).
 """
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from inharness.gateway.conversation import Conversation
+from inharness.gateway.conversation import TURNS_ROOT, Conversation
 from inharness.gateway.store import ParentCall, Store
 
-# Reasons a turn could not continue an earlier call token-exactly.
-HISTORY_DIVERGED = "history_diverged"  # the messages extend no earlier call of this attempt
+# Why a call does not continue an earlier call of its attempt token-exactly (see the module docstring).
+NEW_CONVERSATION = "new_conversation"  # no assistant turn: a sub-agent's or side call's first call
+SYSTEM_CHANGED = "system_changed"  # the turns extend an earlier reply; the system prompt or tools differ
+HISTORY_REWRITTEN = "history_rewritten"  # assistant turns that extend no earlier reply
 TEMPLATE_NOT_PREFIX = "template_not_prefix"  # the chat template re-renders the history differently
 
 
@@ -26,6 +44,7 @@ class BuiltPrompt:
     parent_call_id: int | None
     prefix_reused: bool
     mismatch: str | None
+    turns_digest: str  # the tip of the request's turns chain (Conversation.turns_chain)
 
 
 @dataclass(slots=True)
@@ -34,6 +53,7 @@ class _Known:
 
     replies: dict[str, int]  # reply digest -> call id
     requests: dict[str, int]  # request digest -> call id
+    turns: set[str]  # reply digests of the turns chains (no system messages, no tools)
     recent: deque[tuple[int, ParentCall]]
 
 
@@ -63,6 +83,8 @@ class PromptBuilder:
     async def build(self, attempt_id: str, conv: Conversation, chain: list[str]) -> BuiltPrompt:
         known = await self._known(attempt_id)
         request_digest = chain[-1]
+        turns = conv.turns_chain()
+        turns_tip = turns[-1][1] if turns else TURNS_ROOT
         n = len(conv.messages)
         full = self.render(conv, generation_prompt=True)
 
@@ -75,25 +97,33 @@ class PromptBuilder:
                 break
             delta = self._delta_text(conv, j, full, parent)
             if delta is None:
-                return BuiltPrompt(self.encode(full), request_digest, parent.id, False, TEMPLATE_NOT_PREFIX)
+                ids = self.encode(full)
+                return BuiltPrompt(ids, request_digest, parent.id, False, TEMPLATE_NOT_PREFIX, turns_tip)
             ids = parent.prompt_ids + parent.response_ids + self.encode(delta)
-            return BuiltPrompt(ids, request_digest, parent.id, True, None)
+            return BuiltPrompt(ids, request_digest, parent.id, True, None, turns_tip)
 
         if request_digest in known.requests:  # the same conversation asked again: the same prompt
             same = await self._store.find_call_by_request(attempt_id, request_digest)
             if same is not None:
-                return BuiltPrompt(same, request_digest, None, False, None)
-        mismatch = HISTORY_DIVERGED if known.replies else None
-        return BuiltPrompt(self.encode(full), request_digest, None, False, mismatch)
+                return BuiltPrompt(same, request_digest, None, False, None, turns_tip)
+        reason = root_reason(conv, turns, known.turns) if known.replies else None
+        return BuiltPrompt(self.encode(full), request_digest, None, False, reason, turns_tip)
 
     def remember(
-        self, attempt_id: str, call_id: int, request_digest: str, reply_digest: str, parent: ParentCall
+        self,
+        attempt_id: str,
+        call_id: int,
+        request_digest: str,
+        reply_digest: str,
+        turns_digest: str,
+        parent: ParentCall,
     ) -> None:
         known = self._cache.get(attempt_id)
         if known is None:
             return
         known.replies[reply_digest] = call_id
         known.requests.setdefault(request_digest, call_id)
+        known.turns.add(turns_digest)
         known.recent.append((call_id, parent))
 
     def forget(self, attempt_id: str) -> None:
@@ -121,8 +151,8 @@ class PromptBuilder:
         if known is not None:
             self._cache.move_to_end(attempt_id)
             return known
-        replies, requests = await self._store.call_digests(attempt_id)
-        known = _Known(replies=replies, requests=requests, recent=deque(maxlen=4))
+        replies, requests, turns = await self._store.call_digests(attempt_id)
+        known = _Known(replies=replies, requests=requests, turns=turns, recent=deque(maxlen=4))
         self._cache[attempt_id] = known
         while len(self._cache) > self._max:
             self._cache.popitem(last=False)
@@ -134,6 +164,17 @@ class PromptBuilder:
                 return parent
         found = await self._store.find_call_by_reply(attempt_id, [digest])
         return None if found is None else found[0]
+
+
+def root_reason(conv: Conversation, turns: list[tuple[int, str]], known_turns: set[str]) -> str:
+    """Why a call that extends no earlier call of its attempt starts a new root (module docstring).
+    `turns` is `conv.turns_chain()`, `known_turns` the turns digests of the attempt's replies."""
+    after_assistant = [d for k, d in turns if conv.messages[k - 1].role == "assistant"]
+    if not after_assistant:
+        return NEW_CONVERSATION
+    if any(d in known_turns for d in after_assistant):
+        return SYSTEM_CHANGED
+    return HISTORY_REWRITTEN
 
 
 def fast_encoder(tokenizer: Any) -> Any:

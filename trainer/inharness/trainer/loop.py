@@ -33,7 +33,7 @@ import httpx
 from inharness.gateway.client import GatewayClient, GatewayError
 from inharness.gateway.schema import ExportedRollout, ProgressReport, ProgressState
 from inharness.trainer.config import LoopConfig, UpdateConfig
-from inharness.trainer.report import append_metrics, truncate_metrics
+from inharness.trainer.report import append_metrics, root_reasons, truncate_metrics
 from inharness.trainer.samples import Sample, build_batch
 
 log = logging.getLogger("inharness.trainer")
@@ -378,6 +378,7 @@ class TrainingLoop:
             "merged_turn_ratio": stats.merged_turn_ratio,
             "splits": dict(stats.splits),
             "prefix_mismatches": sum(1 for c in calls if c.prefix_mismatch),
+            "root_reasons": root_reasons(calls),
             # trained on version - 1 (the update just published `version`)
             "staleness_max": (self.state.version - 1 - min(versions)) if versions else 0,
             "time_rollout_s": t1 - t0,

@@ -2,8 +2,12 @@
 
 import json
 import math
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from inharness.gateway.schema import CallOut
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -22,6 +26,12 @@ def append_metrics(path: Path, metrics: dict[str, Any]) -> None:
     with path.open("a") as f:
         f.write(json.dumps(metrics) + "\n")
         f.flush()
+
+
+def root_reasons(calls: Iterable[CallOut]) -> dict[str, int]:
+    """Calls that start a new root of their attempt's call tree, by the gateway's reason
+    (`new_conversation`, `system_changed`, `history_rewritten`, `template_not_prefix`)."""
+    return dict(Counter(c.prefix_mismatch for c in calls if c.prefix_mismatch))
 
 
 def fifth_means(rewards: list[float]) -> tuple[float, float]:
@@ -74,6 +84,7 @@ def summarize(metrics: list[dict[str, Any]], *, wall_seconds: float) -> dict[str
         "samples": sum(m["samples"] for m in metrics),
         "tokens": sum(m["tokens"] for m in metrics),
         "prefix_mismatches": sum(m["prefix_mismatches"] for m in metrics),
+        "root_reasons": dict(sum((Counter(m.get("root_reasons", {})) for m in metrics), Counter())),
         "time_rollout_s": sum(m["time_rollout_s"] for m in metrics),
         "time_update_s": sum(m["time_update_s"] for m in metrics),
         "final_version": metrics[-1]["version"] if metrics else 0,
@@ -88,10 +99,15 @@ def summary_table(summary: dict[str, Any]) -> str:
         ("gain", f"{summary['reward_gain']:+.3f}"),
         ("rollouts (failed)", f"{summary['rollouts']} ({summary['failed_rollouts']})"),
         ("samples / trained tokens", f"{summary['samples']} / {summary['tokens']}"),
-        ("prefix mismatches", f"{summary['prefix_mismatches']}"),
+        ("new roots (by reason)", _by_reason(summary["prefix_mismatches"], summary.get("root_reasons", {}))),
         ("time in rollouts / updates", f"{summary['time_rollout_s']:.0f}s / {summary['time_update_s']:.0f}s"),
         ("wall time", f"{summary['wall_seconds']:.0f}s"),
         ("final model version", f"{summary['final_version']}"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _by_reason(total: int, reasons: dict[str, int]) -> str:
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"{total} ({parts})" if parts else f"{total}"

@@ -22,7 +22,8 @@ sample whose prompt is this call's prompt, and count the split under its reason:
   plain context (mask 0) in the others.
 - ``"length_cap"``: appending would make the sample longer than ``max_tokens``.
 - ``"prefix_mismatch:<reason>"``: no earlier call is a prefix and the gateway said why
-  (e.g. ``"prefix_mismatch:history_diverged"`` for a rewritten or compacted history).
+  (e.g. ``"prefix_mismatch:history_rewritten"`` for a rewritten or compacted history,
+  ``"prefix_mismatch:new_conversation"`` for a sub-agent or side call).
 - ``"not_a_prefix"``: no earlier call is a prefix and the gateway gave no reason.
 
 Every generated token is therefore trained in exactly one sample: summed over samples, ``sum(loss_mask)``

@@ -91,6 +91,7 @@ class CallRecord:
     request_body: dict[str, Any]
     response_body: dict[str, Any]
     notes: Sequence[str] = ()  # what of the request the prompt leaves out, and why
+    turns_digest: str | None = None  # reply digest of the turns chain (no system messages, no tools)
     id: int | None = None
 
 
@@ -496,17 +497,19 @@ class Store:
         with self._call_engine.begin() as conn:
             return list(conn.execute(_INSERT_CALLS, rows).scalars())
 
-    async def call_digests(self, attempt_id: str) -> tuple[dict[str, int], dict[str, int]]:
-        """(reply digest -> call id, request digest -> call id) of the attempt's calls, latest wins."""
+    async def call_digests(self, attempt_id: str) -> tuple[dict[str, int], dict[str, int], set[str]]:
+        """(reply digest -> call id, request digest -> call id, turns digests of the replies) of the
+        attempt's calls, latest wins."""
         async with self._engine.connect() as conn:
             rows = (
                 await conn.execute(
-                    select(calls.c.id, calls.c.reply_digest, calls.c.request_digest)
+                    select(calls.c.id, calls.c.reply_digest, calls.c.request_digest, calls.c.turns_digest)
                     .where(calls.c.attempt_id == attempt_id)
                     .order_by(calls.c.id)
                 )
             ).all()
-        return {r.reply_digest: r.id for r in rows}, {r.request_digest: r.id for r in rows}
+        turns = {r.turns_digest for r in rows if r.turns_digest}
+        return {r.reply_digest: r.id for r in rows}, {r.request_digest: r.id for r in rows}, turns
 
     async def find_call_by_reply(
         self, attempt_id: str, digests: Sequence[str]
@@ -826,6 +829,7 @@ def _call_row(rec: CallRecord) -> dict[str, Any]:
         "request_body": rec.request_body,
         "response_body": rec.response_body,
         "notes": list(rec.notes) or None,
+        "turns_digest": rec.turns_digest,
     }
 
 

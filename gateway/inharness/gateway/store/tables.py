@@ -99,6 +99,9 @@ calls = Table(
     # What of the request the prompt left out, and why (a tool type the model cannot run, ...);
     # added after the first stores were made: Store.open adds it to an older store.
     Column("notes", JSON),
+    # Digest of the turns after this call's reply, without system messages and tools
+    # (Conversation.turns_chain): tells a changed system prompt from a rewritten history. Added later.
+    Column("turns_digest", String(32)),
     Index("ix_calls_attempt", "attempt_id", "id"),
     Index("ix_calls_reply", "attempt_id", "reply_digest"),
     Index("ix_calls_request", "attempt_id", "request_digest"),
