@@ -414,6 +414,9 @@ def create_app(
     request at a time); see ``Scheduler``. ``script``: a file of scripted completions to answer with
     (``inharness.engine.script``). ``api_key``: every route but /health needs it as a bearer token;
     ``weights_root``: load_weights only from under it (``inharness.engine.auth``).
+
+    Long because the routes are closures over the one loaded engine state, defined together so the
+    server's whole HTTP surface reads in one place; each route is a few lines.
     """
     state = _load(model_dir, served_model_name, device, prefix_cache_tokens, max_batch, script)
     app = FastAPI(title="inharness engine")

@@ -86,6 +86,7 @@ def sft(
     fp32 AdamW on CPU with a cosine-decayed learning rate (so a short run settles instead of oscillating);
     one step = one mini-batch of up to ``batch_size`` conversations, cycling through a seeded shuffle.
     Returns the first and last step's loss (mean token cross-entropy over assistant tokens).
+    One function: the warm-up reads as one training loop, load to save, as a script would.
     """
     if steps < 1:
         raise ValueError("steps must be at least 1")

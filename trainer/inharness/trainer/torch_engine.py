@@ -352,6 +352,9 @@ class TorchTrainingEngine:
         ``samples``, ``microbatches``, ``optimizer_steps``, ``step`` are counts; ``lr`` is the learning
         rate of the last optimizer step (see ``lr_warmup_steps``). A batch without any
         learning signal (all advantages zero, no KL term) is measured but takes no step.
+
+        Long because the epochs and mini-batches share the batch's tensors and the metric sums; the
+        step itself is `_optimizer_step`.
         """
         if not samples:
             raise ValueError("update needs at least one sample")
@@ -429,7 +432,10 @@ class TorchTrainingEngine:
     ) -> dict[str, float]:
         """One AdamW step on the samples ``rows`` of ``batch`` (gradient accumulated over micro-batches by
         token budget); returns the step's loss terms and token *sums* of the token-mean metrics.
-        ``apply=False`` only measures: forward passes without gradients, no step."""
+        ``apply=False`` only measures: forward passes without gradients, no step.
+
+        Long because the micro-batch loop accumulates the loss terms and the metric sums together;
+        split, every part would carry the same running totals."""
         sel = torch.tensor(rows, dtype=torch.long)
         weights = torch.zeros_like(batch.mask, dtype=torch.float32)
         weights[sel] = loss_weights(batch.mask[sel], config.loss_normalization, batch.sample_rollout[sel])
