@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-gateway ablation test checkov lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e clean
+.PHONY: demo demo-verl demo-gateway ablation test checkov lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 # The main job: warm-up, then RL of the tiny model inside the unmodified calculator agent (examples/calc).
 demo: $(STAMP)
 	$(BIN)/python examples/calc/demo.py
+
+# The same job with verl's FSDP workers on a local Ray as the trainer (spec.trainer.engine: verl).
+demo-verl: $(STAMP)
+	$(BIN)/python examples/calc/demo.py --engine verl
 
 # The gateway on its own: one recorded tool-calling conversation and what was recorded.
 demo-gateway: $(STAMP)

@@ -372,12 +372,59 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
         help="file holding the engine's API key, which the gateway sends too (or "
         "INHARNESS_ENGINE_API_KEY_FILE; none: the engine takes no key)",
     )
+    ray = p.add_argument_group(
+        "Ray cluster (engine verl)",
+        "every trainer pod runs the same command: pod 0 starts the Ray head and trains, the others join "
+        "it and block (what the operator renders for spec.trainer.engine verl)",
+    )
+    ray.add_argument(
+        "--ray-nodes", type=_at_least(1), help="nodes of the cluster, the head's included; unset: no Ray"
+    )
+    ray.add_argument("--ray-head-address", help="HOST:PORT where the other pods join the head")
+    ray.add_argument("--ray-node-ip", default=_env("POD_IP"), help="this node's IP (default: env POD_IP)")
+    ray.add_argument("--ray-gpus", type=_at_least(0), default=0, help="GPUs this node offers")
+    ray.add_argument("--ray-cpus", type=_at_least(1), default=1, help="CPUs this node offers")
+    ray.add_argument(
+        "--ray-object-store-memory",
+        type=_at_least(1),
+        help="object store bytes (default: half of this machine's /dev/shm)",
+    )
+    ray.add_argument(
+        "--pod-index",
+        type=_at_least(0),
+        help="this pod's ordinal, 0 for the head (default: env POD_INDEX, else the -N suffix of POD_NAME)",
+    )
+    ray.add_argument(
+        "--ray-wait-seconds",
+        type=float,
+        help="how long the head waits for every node to join before it exits and restarts (default: 1800)",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
     from inharness.engine.auth import AuthError, read_key_file
-    from inharness.train import train_file
+    from inharness.train import RayCluster, ray_worker, train_file
 
+    ray = None
+    if args.ray_nodes is not None:
+        try:
+            ray = RayCluster.from_flags(
+                nodes=args.ray_nodes,
+                head_address=args.ray_head_address,
+                node_ip=args.ray_node_ip,
+                gpus=args.ray_gpus,
+                cpus=args.ray_cpus,
+                object_store_memory=args.ray_object_store_memory,
+                pod_index=args.pod_index,
+                pod_index_label=_env("POD_INDEX"),
+                pod_name=_env("POD_NAME") or _env("HOSTNAME"),
+                wait_seconds=args.ray_wait_seconds,
+            )
+        except ValueError as exc:
+            print(f"inharness train: {exc}", file=sys.stderr)
+            return 2
+    if ray is not None and not ray.head:
+        return ray_worker(ray, health_host=args.engine_host, health_port=args.engine_port)
     token = _env("INHARNESS_GATEWAY_ADMIN_TOKEN")
     if args.admin_token_file:
         try:
@@ -402,7 +449,23 @@ def _train(args: argparse.Namespace) -> int:
         engine_host=args.engine_host,
         engine_port=args.engine_port,
         engine_api_key_file=Path(args.engine_api_key_file) if args.engine_api_key_file else None,
+        ray=ray,
     )
+
+
+# --- inharness simulate -------------------------------------------------------------------------
+
+
+def _simulate_arguments(p: argparse.ArgumentParser) -> None:
+    from inharness.trainer.simulate.cli import add_arguments  # standard library only: --help stays fast
+
+    add_arguments(p)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from inharness.trainer.simulate.cli import run
+
+    return run(args)
 
 
 COMMANDS: tuple[Command | Group, ...] = (
@@ -472,6 +535,15 @@ COMMANDS: tuple[Command | Group, ...] = (
         _train,
         description="Resumes from the last checkpoint in --out. The admin token comes from "
         "--admin-token-file (INHARNESS_GATEWAY_ADMIN_TOKEN_FILE) or env INHARNESS_GATEWAY_ADMIN_TOKEN.",
+    ),
+    Command(
+        "simulate",
+        "plan a run: its timeline under each scheduling mode (steps/hour, GPU busy, staleness)",
+        _simulate_arguments,
+        _simulate,
+        description="A discrete-event simulation of one TrainingRun under sync, async and "
+        "collocated-async, on a preset workload (swe, calc), a file of overrides or a recorded run "
+        "(docs/simulate.md).",
     ),
 )
 

@@ -15,6 +15,15 @@ The same pieces as `inharness run` (run.py): the spec file (the ConfigMap's run.
 and the loop. A restarted pod always resumes from the last checkpoint in --out. Relative paths of
 the spec resolve against the working directory (/workspace in the pod).
 
+Engine verl on a cluster (`--ray-nodes`): every trainer pod runs this same command, and the pod's
+ordinal decides its part. Pod 0 starts the Ray head (`ray start --head`, GCS on 6379, the pod's
+CPUs, GPUs and an object store within its /dev/shm), connects with `ray.init(address="auto")`
+before the policy is loaded (verl's engine then finds Ray initialised and uses this cluster), and
+waits, bounded and reporting "k of n nodes joined" to the gateway (`ProgressReport` state
+`starting`), until every node has joined with its GPUs; then it trains as above. The other pods join
+the head and block (`ray_worker`), joining again whenever the head goes away (it restarted, or it
+was not up yet), and answer the pod's probes on the engine port meanwhile.
+
 Exit and failure:
 - a config that cannot run (dataset or model missing, bad spec) is reported to the gateway as a
   failure of this config (the run becomes Failed) and exits 1;
@@ -26,16 +35,21 @@ Exit and failure:
 import asyncio
 import dataclasses
 import hashlib
+import json
 import logging
+import shutil
 import signal
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from inharness.procs import ServerProcess
+from inharness.trainer import raycluster
 
 if TYPE_CHECKING:
     from inharness.gateway.client import GatewayClient
@@ -46,6 +60,49 @@ if TYPE_CHECKING:
 log = logging.getLogger("inharness.train")
 
 GATEWAY_WAIT_SECONDS = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RayCluster:
+    """This pod's part in the trainer's Ray cluster (engine verl): head (pod 0) or a node that joins."""
+
+    nodes: int
+    head: bool
+    head_address: str | None
+    resources: raycluster.NodeResources
+    wait_seconds: float = raycluster.NODES_WAIT_SECONDS
+
+    @classmethod
+    def from_flags(
+        cls,
+        *,
+        nodes: int,
+        head_address: str | None,
+        node_ip: str | None,
+        gpus: int,
+        cpus: int,
+        object_store_memory: int | None,
+        pod_index: int | None,
+        pod_index_label: str | None,
+        pod_name: str | None,
+        wait_seconds: float | None = None,
+    ) -> "RayCluster":
+        """ValueError when the pod's ordinal cannot be known, or a joining pod has no head address.
+        Without an object store size, a share of this machine's /dev/shm."""
+        index = pod_index if pod_index is not None else raycluster.pod_index(pod_index_label, pod_name)
+        if index > 0 and not head_address:
+            raise ValueError(f"pod {index} joins the Ray head but has no --ray-head-address")
+        if object_store_memory is None:
+            try:
+                shm = shutil.disk_usage("/dev/shm").total
+            except OSError:  # no /dev/shm (not Linux): Ray's minimum, as Ray would spill anyway
+                shm = 0
+            object_store_memory = raycluster.object_store_memory(shm)
+        resources = raycluster.NodeResources(
+            num_cpus=cpus, num_gpus=gpus, object_store_memory=object_store_memory, node_ip=node_ip or None
+        )
+        wait = raycluster.NODES_WAIT_SECONDS if wait_seconds is None else wait_seconds
+        return cls(nodes, index == 0, head_address, resources, wait)
 
 
 def _steps(config: Path) -> int:
@@ -86,6 +143,7 @@ async def _train(
     engine_port: int,
     sha: str,
     engine_api_key_file: Path | None,
+    ray: RayCluster | None = None,
 ) -> int:
     from inharness.gateway.client import GatewayClient
 
@@ -101,6 +159,8 @@ async def _train(
             print(f"inharness train: the gateway at {gateway_url} did not answer", file=sys.stderr)
             return 1
         async with GatewayClient(gateway_url, admin_token) as gw:
+            if ray is not None and not await wait_for_ray_nodes(ray, gw, _steps(config), sha, stop):
+                return 143 if stop.is_set() else 1
             loaded = await _load(config, out, gw, sha)
             if loaded is None:
                 return 1
@@ -120,6 +180,47 @@ async def _train(
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def wait_for_ray_nodes(
+    ray: RayCluster, gw: "GatewayClient", total_steps: int, sha: str, stop: asyncio.Event
+) -> bool:
+    """Wait until every Ray node joined with its GPUs, posting each change to the gateway (the
+    operator's RayClusterReady condition); False when they did not in time (the pod restarts and the
+    nodes join its new head) or on SIGTERM."""
+    from inharness.gateway.schema import ProgressReport
+
+    loop = asyncio.get_running_loop()
+
+    def report(joined: int, wanted: int) -> None:
+        body = ProgressReport(
+            step=0,
+            total_steps=total_steps,
+            state="starting",
+            config_sha256=sha,
+            ray_nodes=joined,
+            ray_nodes_wanted=wanted,
+        )
+        try:
+            asyncio.run_coroutine_threadsafe(gw.report_progress(body), loop).result(timeout=30)
+        except Exception as exc:  # the status lags; the wait goes on
+            log.warning("cannot report %d of %d Ray nodes to the gateway: %s", joined, wanted, exc)
+
+    try:
+        await asyncio.to_thread(
+            raycluster.wait_for_nodes,
+            ray.nodes,
+            ray.resources.num_gpus,
+            ray.wait_seconds,
+            report,
+            cancelled=stop.is_set,
+        )
+    except TimeoutError as exc:
+        print(f"inharness train: {exc}", file=sys.stderr)
+        return False
+    except InterruptedError:
+        return False
+    return True
 
 
 @dataclasses.dataclass
@@ -216,7 +317,9 @@ def train_file(
     engine_host: str,
     engine_port: int,
     engine_api_key_file: Path | None = None,
+    ray: RayCluster | None = None,
 ) -> int:
+    """Train (see the module's docstring); with `ray`, as the Ray head: start it and connect first."""
     from inharness.engine.auth import AuthError, read_key_file
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -231,16 +334,79 @@ def train_file(
         except AuthError as exc:
             print(f"inharness train: {exc}", file=sys.stderr)
             return 2
-    return asyncio.run(
-        _train(
-            config,
-            out,
-            gateway_url=gateway_url,
-            admin_token=admin_token,
-            engine_url=engine_url,
-            engine_host=engine_host,
-            engine_port=engine_port,
-            sha=sha,
-            engine_api_key_file=engine_api_key_file,
+    head = None
+    if ray is not None:
+        try:
+            head = _start_ray_head(ray)
+        except (RuntimeError, TimeoutError, OSError, ConnectionError) as exc:
+            print(f"inharness train: the Ray head did not start: {exc}", file=sys.stderr)
+            return 1
+    try:
+        return asyncio.run(
+            _train(
+                config,
+                out,
+                gateway_url=gateway_url,
+                admin_token=admin_token,
+                engine_url=engine_url,
+                engine_host=engine_host,
+                engine_port=engine_port,
+                sha=sha,
+                engine_api_key_file=engine_api_key_file,
+                ray=ray,
+            )
         )
-    )
+    finally:
+        if head is not None:
+            import ray as ray_api
+
+            ray_api.shutdown()
+            head.stop()
+
+
+def _start_ray_head(ray: RayCluster) -> raycluster.RayNode:
+    """The head of this pod's Ray cluster, and this process connected to it as the driver: before
+    the policy is loaded, so that verl's engine finds Ray initialised and uses this cluster."""
+    import ray as ray_api
+
+    head = raycluster.start_head(ray.resources)
+    try:
+        ray_api.init(address="auto", logging_level=logging.WARNING)
+    except BaseException:
+        head.stop()
+        raise
+    return head
+
+
+class _HealthHandler(BaseHTTPRequestHandler):
+    """/health of a Ray node that is not the head: 200 while the node's process runs, joined or
+    waiting for the head, so that the pod's probes (the engine's, one pod template) never kill it
+    while the head starts; a wedged process stops answering and the liveness probe restarts it."""
+
+    def do_GET(self) -> None:
+        found = self.path.split("?")[0] == "/health"
+        body = json.dumps({"status": "ok", "role": "ray-node"} if found else {"detail": "Not Found"}).encode()
+        self.send_response(200 if found else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # probes every 10 s: not worth a log line each
+
+
+def ray_worker(ray: RayCluster, *, health_host: str, health_port: int) -> int:
+    """A trainer pod other than pod 0 (engine verl): join the head and stay joined until SIGTERM."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    assert ray.head_address is not None  # RayCluster.from_flags refuses a joining pod without one
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server = ThreadingHTTPServer((health_host, health_port), _HealthHandler)
+    threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
+    try:
+        return raycluster.join_forever(ray.head_address, ray.resources, stop)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -8,6 +8,9 @@
 `--ablation` then trains again with sample-level instead of rollout-level advantages and loss
 normalisation (same seed, same budget) and plots both curves in one figure.
 
+`--engine verl` (`make demo-verl`) trains through verl's FSDP workers on a local Ray instead of the
+built-in torch engine: same spec, same goal.
+
 `--smoke` is the same path in about a minute, for `make test`: a short warm-up, then `--steps` (2)
 steps of the same spec, the same relative default paths; it checks that the run trains (every step
 has samples, no rollout failed) instead of judging the goal.
@@ -70,17 +73,27 @@ def report(label: str, metrics: list[dict[str, object]], seconds: float) -> floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("runs/calc-demo"))
+    ap.add_argument("--out", type=Path, default=None, help="default: runs/calc-demo[-verl]")
+    ap.add_argument(
+        "--engine",
+        choices=("torch", "verl"),
+        default="torch",
+        help="the trainer engine (spec.trainer.engine); verl: FSDP workers on a local Ray (make demo-verl)",
+    )
     ap.add_argument("--ablation", action="store_true", help="also train with sample-level normalisation")
     ap.add_argument("--smoke", action="store_true", help="a short warm-up and --steps steps; no goal")
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the spec's; --smoke: 2)")
     args = ap.parse_args(argv)
 
+    if args.out is None:
+        args.out = Path("runs/calc-demo" if args.engine == "torch" else "runs/calc-demo-verl")
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     warm = prepare_model(args.out, SMOKE_WARMUP if args.smoke else {})
     steps = args.steps if args.steps is not None else 2 if args.smoke else None
     overrides: dict[str, object] = {} if steps is None else {"spec.steps": steps}
+    if args.engine != "torch":
+        overrides["spec.trainer.engine"] = args.engine
     t = time.monotonic()
     main_metrics = train(args.out / "rollout-level", overrides)
     gain = report("rollout-level", main_metrics, time.monotonic() - t)

@@ -109,3 +109,18 @@ async def test_the_training_loop_reports_its_step_state_and_config(gateway: Serv
 async def test_an_undelivered_report_does_not_stop_training(tmp_path: Path) -> None:
     async with GatewayClient(f"http://127.0.0.1:{free_port()}", ADMIN, timeout=2) as gw:
         await _loop(gw, tmp_path, step=1).report("running", reward_mean=0.5)
+
+
+async def test_a_starting_trainer_reports_its_ray_nodes_without_touching_its_step(gateway: Server) -> None:
+    """Engine verl: the Ray head posts "k of n nodes joined" before it knows its step (it has not
+    loaded its checkpoint yet); the last step report and the reward history stay as they were."""
+    async with GatewayClient(gateway.url, ADMIN) as gw:
+        before = await gw.report_progress(ProgressReport(step=2, total_steps=4, reward_mean=0.5))
+        starting = ProgressReport(step=0, total_steps=4, state="starting", ray_nodes=1, ray_nodes_wanted=2)
+        waiting = await gw.report_progress(starting)
+        joined = await gw.report_progress(starting.model_copy(update={"ray_nodes": 2}))
+        after = await gw.report_progress(ProgressReport(step=3, total_steps=4, reward_mean=0.75))
+    assert (waiting.ray_nodes, waiting.ray_nodes_wanted) == (1, 2)
+    assert (waiting.step, waiting.state, waiting.reward_history) == (2, "running", before.reward_history)
+    assert (joined.ray_nodes, after.ray_nodes, after.ray_nodes_wanted) == (2, 2, 2)  # kept by step reports
+    assert after.step == 3 and after.reward_history[-1] == 0.75

@@ -37,6 +37,7 @@ from manifest_support import (
 from inharness.gateway.schema import ClaimedAttempt
 from inharness.operator import render
 from inharness.operator.render import harness
+from inharness.operator.spec import TrainingRun
 from inharness.operator.specfile import load_specs
 
 CHECKOV = ROOT / ".cache" / "checkov" / "bin" / "checkov"
@@ -96,6 +97,23 @@ def operator_render() -> list[Obj]:
     return docs(run([*args, "--namespace", RUN_NAMESPACE]).stdout)
 
 
+def verl_trainer() -> list[Obj]:
+    """The trainer StatefulSet of the example with engine verl on two GPU nodes (one Ray cluster): the
+    one child that differs from the torch run's, beside it."""
+    specs = load_specs(EXAMPLE, check_files=False)
+    doc = specs.training_run.model_dump(mode="json", by_alias=True)
+    doc["metadata"]["namespace"] = RUN_NAMESPACE
+    doc["spec"]["trainer"] = {"engine": "verl", "nodes": 2, "gpus": 8}
+    objs = render.render_children(
+        TrainingRun.model_validate(doc),
+        specs.rollout_pool,
+        specs.harness,
+        settings=render.RenderSettings.from_env({}),
+        admin_token="X",
+    )
+    return [o for o in objs if o["kind"] == "StatefulSet"]
+
+
 # What is scanned, in four groups (a test each): the chart and deploy/ are this folder's to fix, the
 # operator's objects the render code's (operator/inharness/operator/render/).
 GROUPS = ("chart", "deploy", "operator-render", "harness")
@@ -108,6 +126,7 @@ def sources() -> Iterator[tuple[str, str, list[Obj]]]:
     for path in OVERLAYS:
         yield "deploy", path.removeprefix("deploy/").replace("/", "-"), kustomize(path)
     yield "operator-render", "calc", operator_render()
+    yield "operator-render", "calc-verl", verl_trainer()
     yield "harness", "calc", harness_objects()
 
 

@@ -84,9 +84,27 @@ def test_trainer_image_is_cuda_with_a_pinned_verl() -> None:
     assert (
         index(steps, "RUN", "torch==")
         < index(steps, "RUN", "verl==")
-        < index(steps, "RUN", "pip install /src")
+        < index(steps, "RUN", "pip install --no-deps /src")
     )
     assert "python3.11" in steps[index(steps, "RUN", "apt-get")][1]
+
+
+def test_trainer_image_takes_the_project_pins_but_those_vllm_decides() -> None:
+    """torch and verl as pyproject.toml pins them; vLLM beside them in the same pip run as the project's
+    other pins, read from pyproject.toml at build time, less fastapi and numpy (vLLM's bounds win); the
+    package itself without its dependencies, so that its own fastapi and numpy pins do not undo that."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    args = args_of("trainer")
+    assert f"torch=={args['TORCH_VERSION']}" in deps and f"verl=={args['VERL_VERSION']}" in deps
+    assert args["VLLM_VERSION"].count(".") == 2
+    steps = instructions("trainer")
+    resolve = steps[index(steps, "RUN", "vllm==")][1]
+    assert "pyproject.toml" in resolve and "pip install -r /src/requirements.txt" in resolve
+    skipped = resolve.split("sep=chr(10))'", 1)[1].split(">", 1)[0].split()
+    assert skipped == ["fastapi", "numpy", "torch", "verl"]
+    assert index(steps, "COPY", "pyproject.toml") < index(steps, "RUN", "vllm==")
 
 
 def test_calc_harness_image_carries_the_example_and_its_model_in_workspace() -> None:

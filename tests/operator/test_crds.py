@@ -545,6 +545,8 @@ MESSAGES = {
 CEL_REJECTS: list[tuple[str, str, dict[tuple[str, ...], Any], dict[tuple[str, ...], Any] | None, str]] = [
     ("async-without-staleness", "TrainingRun", {("spec", "scheduling"): {"mode": "async"}}, None,
      "maxStaleness must be at least 1 when mode is async"),
+    ("collocated-without-staleness", "TrainingRun", {("spec", "scheduling"): {"mode": "collocated-async"}},
+     None, "maxStaleness must be at least 1 when mode is collocated-async"),
     ("sync-with-staleness", "TrainingRun",
      {("spec", "scheduling"): {"mode": "sync", "maxStaleness": 2}}, None,
      "maxStaleness must be 0 when mode is sync; use mode async"),
@@ -552,6 +554,8 @@ CEL_REJECTS: list[tuple[str, str, dict[tuple[str, ...], Any], dict[tuple[str, ..
      "set exactly one of tasks and path"),
     ("null-path-no-tasks", "TrainingRun", {("spec", "dataset"): {"path": None}}, None,
      "set exactly one of tasks and path"),
+    ("torch-on-several-nodes", "TrainingRun", {("spec", "trainer"): {"engine": "torch", "nodes": 2}}, None,
+     "nodes above 1 need engine verl: the torch engine trains in one pod"),
     ("grader-missing", "HarnessSpec", {("spec", "outcome"): {"type": "grader"}}, None,
      "grader is required when type is grader"),
     ("grader-not-allowed", "HarnessSpec",
@@ -620,6 +624,7 @@ ALLOWED_UPDATES: list[tuple[str, str, dict[tuple[str, ...], Any], dict[tuple[str
      {("status",): {"observedGeneration": 1}}),
     ("parallelism-changed-once-used", "RolloutPool", {("spec", "parallelism"): 9},
      {("status",): {"running": 2}}),
+    ("verl-on-four-nodes", "TrainingRun", {("spec", "trainer"): {"engine": "verl", "nodes": 4}}, {}),
 ]  # fmt: skip
 
 

@@ -279,3 +279,42 @@ def test_every_computed_status_fits_the_status_model() -> None:
     for case in cases:
         status = TrainingRunStatus.model_validate(compute_status({}, case, T0))
         assert status.observed_generation == 2 and len(status.conditions) == 6
+
+
+# --- engine verl: the Ray cluster's nodes ------------------------------------------------------------
+
+
+def test_a_verl_run_shows_its_ray_nodes_and_waits_for_all_of_them() -> None:
+    """The trainer's "1 of 2 nodes joined" (a `starting` report, kept by the gateway) becomes
+    status.rayNodes/rayNodesWanted and RayClusterReady, False with reason Waiting until all joined."""
+    verl = {"gateway": AVAILABLE, "ray_nodes_wanted": 2}
+    unreported = compute_status({}, observed(**verl, progress=progress(reported=False, step=0)), T0)
+    assert (unreported["rayNodes"], unreported["rayNodesWanted"]) == (None, 2)
+    assert conditions_of(unreported)["RayClusterReady"] == ("False", "Waiting")
+
+    one = progress(reported=False, step=0, ray_nodes=1, ray_nodes_wanted=2)
+    waiting = compute_status(unreported, observed(**verl, progress=one), T0)
+    assert (waiting["rayNodes"], waiting["rayNodesWanted"]) == (1, 2)
+    ray = next(c for c in waiting["conditions"] if c["type"] == "RayClusterReady")
+    assert (ray["status"], ray["reason"], ray["message"]) == ("False", "Waiting", "1 of 2 nodes joined")
+    assert waiting["conditions"][-1] is ray  # after the six every run has
+
+    both = progress(ray_nodes=2, ray_nodes_wanted=2)
+    training = compute_status(waiting, observed(**verl, trainer=READY, progress=both), T1)
+    assert training["rayNodes"] == 2 and training["phase"] == "Running"
+    assert conditions_of(training)["RayClusterReady"] == ("True", "NodesJoined")
+    # a restarted gateway knows no count until the trainer reports again: the last one stays
+    restarted = compute_status(training, observed(**verl, trainer=READY, progress=progress()), T1)
+    assert restarted["rayNodes"] == 2
+    assert TrainingRunStatus.model_validate(restarted).ray_nodes == 2
+
+    suspended = compute_status(training, observed(**verl, suspended=True), T1)
+    assert conditions_of(suspended)["RayClusterReady"] == ("False", "Suspended")
+
+
+def test_a_torch_run_has_no_ray_status() -> None:
+    status = compute_status(
+        {}, observed(gateway=AVAILABLE, trainer=READY, progress=progress(ray_nodes=1)), T0
+    )
+    assert status["rayNodes"] is None and status["rayNodesWanted"] is None
+    assert "RayClusterReady" not in conditions_of(status)

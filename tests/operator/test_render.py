@@ -359,6 +359,7 @@ def test_every_rendered_object_is_valid_kubernetes(specs: Specs, k8s_version: st
             ),
             settings=SETTINGS.model_copy(update={"storage_class": "fast"}),
         ),
+        children(specs, with_spec(specs, trainer=VERL), owner_uid=UID),
     ]
     for objs in variants:
         for key, obj in objs.items():
@@ -680,3 +681,91 @@ def test_network_policy_settings_come_from_the_chart_env() -> None:
     ]
     default = RenderSettings.from_env({})
     assert default.network_policies is True and default.operator_namespace is None
+
+
+# --- engine verl: the trainer StatefulSet is one Ray cluster -----------------------------------------
+
+VERL = {"engine": "verl", "nodes": 3, "gpus": 8, "shmSize": "64Gi"}
+
+
+def test_a_verl_trainer_is_one_ray_cluster_of_its_nodes(specs: Specs) -> None:
+    objs = children(specs, with_spec(specs, trainer=VERL))
+    sts = objs["StatefulSet/calc-trainer"]["spec"]
+    assert sts["replicas"] == 3 and sts["podManagementPolicy"] == "Parallel"
+    c = container(objs, "StatefulSet/calc-trainer")
+    args = cli.parser().parse_args(c["args"])
+    # every pod runs the same command; `inharness train` makes pod 0 the head by its ordinal
+    assert args.ray_nodes == 3 and args.ray_gpus == 8
+    assert args.ray_head_address == "calc-trainer-0.calc-trainer:6379"
+    assert args.ray_node_ip == "$(POD_IP)"  # expanded by the kubelet from the env below
+    assert args.ray_cpus == 64  # the container's CPU limit: 8 per GPU
+    assert args.ray_object_store_memory == 32 * 1024**3  # half of the 64Gi /dev/shm
+    env = env_of(c)
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["POD_INDEX"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert (
+        env["RAY_AUTH_MODE"] == "token"
+        and env["RAY_AUTH_TOKEN_PATH"] == f"{render.SECRETS_DIR}/engine-api-key"
+    )
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["engine"] == 8001  # pod 0's engine stays
+    # the head may wait for its nodes besides the 30 minutes of a single trainer's start
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800 + 1800
+    # workers find the head through the headless Service before the head is Ready
+    svc = objs["Service/calc-trainer"]["spec"]
+    assert sts["serviceName"] == "calc-trainer" and svc["clusterIP"] == "None"
+    assert svc["publishNotReadyAddresses"] is True and 6379 in {p["port"] for p in svc["ports"]}
+    assert svc["selector"].items() <= sts["template"]["metadata"]["labels"].items()
+    # suspend and the end of the run give every node back
+    assert (
+        children(specs, with_spec(specs, trainer=VERL, suspend=True))["StatefulSet/calc-trainer"]["spec"][
+            "replicas"
+        ]
+        == 0
+    )
+    assert (
+        children(specs, with_spec(specs, trainer=VERL), finished=True)["StatefulSet/calc-trainer"]["spec"][
+            "replicas"
+        ]
+        == 0
+    )
+
+
+def test_ray_cpus_follow_the_pod_overrides_and_a_cpu_run(specs: Specs) -> None:
+    trainer = {**VERL, "gpus": 0, "pod": {"resources": {"limits": {"cpu": "6500m"}}}}
+    c = container(children(specs, with_spec(specs, trainer=trainer)), "StatefulSet/calc-trainer")
+    args = cli.parser().parse_args(c["args"])
+    assert (args.ray_cpus, args.ray_gpus) == (7, 0)  # rounded up, as KubeRay does
+    small = {**VERL, "shmSize": "64Mi"}
+    c = container(children(specs, with_spec(specs, trainer=small)), "StatefulSet/calc-trainer")
+    assert cli.parser().parse_args(c["args"]).ray_object_store_memory == 75 * 1024**2  # Ray's minimum
+
+
+def test_a_torch_trainer_stays_one_pod_without_ray(specs: Specs) -> None:
+    objs = children(specs)
+    assert objs["StatefulSet/calc-trainer"]["spec"]["replicas"] == 1
+    c = container(objs, "StatefulSet/calc-trainer")
+    assert c["args"] == ["train", "--config", render.CONFIG_PATH, "--out", render.TRAINER_DIR, *SECRET_ARGS]
+    assert not {"POD_IP", "POD_INDEX", "RAY_AUTH_MODE"} & set(env_of(c))
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] == 1800
+
+
+SECRET_ARGS = [
+    "--admin-token-file",
+    f"{render.SECRETS_DIR}/admin-token",
+    "--engine-api-key-file",
+    f"{render.SECRETS_DIR}/engine-api-key",
+]
+
+
+def test_trainer_pods_reach_each_other_on_any_port_and_protocol(specs: Specs) -> None:
+    """Ray's node manager, object manager and workers, NCCL and vLLM listen on ports they pick at start:
+    the rule between the run's trainer pods names no port, so it allows every port and protocol."""
+    objs = children(specs, with_spec(specs, trainer=VERL), owner_uid=UID)
+    ingress = objs["NetworkPolicy/calc-trainer"]["spec"]["ingress"]
+    [between] = [r for r in ingress if r["from"] == [run_pods("trainer")]]
+    assert "ports" not in between
+    labels = objs["StatefulSet/calc-trainer"]["spec"]["template"]["metadata"]["labels"]
+    policy = objs["NetworkPolicy/calc-trainer"]["spec"]["podSelector"]["matchLabels"]
+    assert policy.items() <= labels.items()  # the policy selects the trainer pods it is about...
+    assert run_pods("trainer")["podSelector"]["matchLabels"].items() <= labels.items()  # ...and admits them

@@ -221,6 +221,28 @@ CASES = [
         id="bad enum",
     ),
     pytest.param(
+        2,
+        "spec.trainer",
+        {"nodes": 2},
+        f"{R}: spec.trainer.nodes: nodes above 1 need engine verl (got 2 with engine torch): the torch "
+        "engine trains in one pod",
+        id="torch on two nodes",
+    ),
+    pytest.param(
+        2,
+        "spec.trainer",
+        {"engine": "verl", "nodes": 65},
+        f"{R}: spec.trainer.nodes: Input should be less than or equal to 64",
+        id="too many nodes",
+    ),
+    pytest.param(
+        2,
+        "spec.trainer",
+        {"shmSize": "plenty"},
+        f"{R}: spec.trainer.shmSize: String should match pattern",
+        id="shm size not a quantity",
+    ),
+    pytest.param(
         0,
         "spec.outcome",
         {"type": "grader"},
@@ -525,3 +547,10 @@ def test_models_validate_alone_with_clear_messages() -> None:
         Scheduling.model_validate({"maxStaleness": 3})
     with pytest.raises(ValueError, match="command"):
         HarnessSpecSpec.model_validate({})
+
+
+def test_verl_takes_several_nodes_and_torch_one() -> None:
+    spec = copy.deepcopy(RUN["spec"])
+    run = TrainingRun.model_validate({**RUN, "spec": {**spec, "trainer": {"engine": "verl", "nodes": 4}}})
+    assert (run.spec.trainer.nodes, run.spec.trainer.engine) == (4, "verl")
+    assert TrainingRun.model_validate(RUN).spec.trainer.nodes == 1  # the default: one pod, torch

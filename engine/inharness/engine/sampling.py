@@ -339,8 +339,8 @@ class _Batch:
         self.stats.cached_tokens += hit
         cache = _cache(self.model, [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv])
         ids = torch.tensor([prompt[hit:]], dtype=torch.long, device=self.device).expand(n, -1)
-        # transformers 5.x calls the KV cache argument `cache` (was `past_key_values`).
-        logits = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        # `past_key_values=`: transformers 5.10 (verl's bound) ignores `cache=` silently; newer accept both.
+        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         self.prefix_cache.insert(prompt, [(k[:1], v[:1]) for k, v in _kv(cache)])
         picked = req.record(logits)
         if req.done:
@@ -374,7 +374,7 @@ class _Batch:
             input_ids=self.last[:, None],
             attention_mask=self.mask,
             position_ids=positions,
-            cache=self.cache,
+            past_key_values=self.cache,
             use_cache=True,
         )
         self.stats.decode_steps += 1

@@ -254,5 +254,7 @@ async def get_progress(request: Request) -> Response:
             model_version=active,
             rollouts=counts,
             updated_at=board.updated_at,
+            ray_nodes=board.ray_nodes,
+            ray_nodes_wanted=board.ray_nodes_wanted,
         )
     )

@@ -16,10 +16,19 @@ class ProgressBoard:
     def __init__(self) -> None:
         self.last: schema.ProgressReport | None = None
         self.updated_at: float | None = None
+        self.ray_nodes: int | None = None
+        self.ray_nodes_wanted: int | None = None
         self._rewards: dict[int, float] = {}
 
     def record(self, report: schema.ProgressReport) -> None:
-        """Keep the report; a resumed trainer reporting an earlier step drops the steps after it."""
+        """Keep the report; a resumed trainer reporting an earlier step drops the steps after it. The
+        Ray counts come from whichever report carries them; a `starting` report (step unknown yet)
+        changes nothing else."""
+        if report.ray_nodes is not None:
+            self.ray_nodes, self.ray_nodes_wanted = report.ray_nodes, report.ray_nodes_wanted
+        if report.state == "starting":
+            self.updated_at = time.time()
+            return
         self._rewards = {s: r for s, r in self._rewards.items() if s <= report.step}
         if report.reward_mean is not None and report.step > 0:
             self._rewards[report.step] = report.reward_mean

@@ -238,12 +238,16 @@ class PauseRequest(_Wire):
     )
 
 
-ProgressState = Literal["running", "complete", "failed"]
+ProgressState = Literal["starting", "running", "complete", "failed"]
 
 
 class ProgressReport(_Wire):
     """What the trainer posts after each step, and once more when it finishes or fails; the operator
-    reads it back (GET /api/v1/progress) into the TrainingRun's status."""
+    reads it back (GET /api/v1/progress) into the TrainingRun's status.
+
+    `starting`: the trainer is up but not training yet (engine verl: its Ray cluster is forming). It
+    does not know its step before it loads its checkpoint, so such a report carries only the Ray
+    counts: the gateway keeps the last step report as it was."""
 
     step: int = Field(ge=0, description="steps done so far")
     total_steps: int = Field(ge=1)
@@ -256,6 +260,10 @@ class ProgressReport(_Wire):
         description="sha256 of the run config the trainer runs, so a report about an older config is "
         "recognisable as such",
     )
+    ray_nodes: int | None = Field(
+        default=None, ge=0, description="engine verl: Ray nodes with their GPUs that joined the cluster"
+    )
+    ray_nodes_wanted: int | None = Field(default=None, ge=1, description="engine verl: Ray nodes it needs")
 
 
 class ProgressOut(BaseModel):
@@ -270,3 +278,7 @@ class ProgressOut(BaseModel):
     model_version: int | None = Field(description="the active model version")
     rollouts: dict[RolloutStatus, int] = Field(description="rollouts in the store by status")
     updated_at: float | None
+    ray_nodes: int | None = Field(
+        default=None, description="engine verl: Ray nodes joined, as the trainer last reported"
+    )
+    ray_nodes_wanted: int | None = Field(default=None, description="engine verl: Ray nodes the run needs")

@@ -96,6 +96,7 @@ class Observed:
     trainer: Mapping[str, Any] | None = None  # live StatefulSet
     progress: ProgressOut | None = None
     progress_error: str | None = None
+    ray_nodes_wanted: int | None = None  # engine verl: spec.trainer.nodes; None: no Ray cluster
 
 
 def gateway_available(deployment: Mapping[str, Any] | None) -> bool:
@@ -138,6 +139,31 @@ def progress_fields(current: Mapping[str, Any], progress: ProgressOut | None) ->
         out["rewardMean"] = reward if reward is not None and math.isfinite(reward) else out["rewardMean"]
         out["rewardHistory"] = [r for r in progress.reward_history if math.isfinite(r)][-HISTORY:]
     return out
+
+
+def ray_fields(current: Mapping[str, Any], observed: Observed) -> dict[str, Any]:
+    """The Ray cluster's size as status fields (engine verl only): how many nodes joined as the trainer
+    last reported (kept while the gateway has nothing newer), and how many the spec wants."""
+    if observed.ray_nodes_wanted is None:
+        return {"rayNodes": None, "rayNodesWanted": None}
+    p = observed.progress
+    joined = p.ray_nodes if p is not None and p.ray_nodes is not None else current.get("rayNodes")
+    return {"rayNodes": joined, "rayNodesWanted": observed.ray_nodes_wanted}
+
+
+def _ray_cluster_ready(o: Observed, phase: str, joined: int | None) -> list[dict[str, Any]]:
+    """RayClusterReady, for engine verl only: False (Waiting) until the trainer reports all its nodes."""
+    wanted = o.ray_nodes_wanted
+    if wanted is None:
+        return []
+    if phase in ("Suspended", "Complete", "Failed"):
+        return [cond.condition("RayClusterReady", False, phase, "the trainer is scaled to zero")]
+    if joined is None:
+        message = f"the trainer has not reported its Ray cluster yet ({wanted} nodes wanted)"
+        return [cond.condition("RayClusterReady", False, "Waiting", message)]
+    if joined < wanted:
+        return [cond.condition("RayClusterReady", False, "Waiting", f"{joined} of {wanted} nodes joined")]
+    return [cond.condition("RayClusterReady", True, "NodesJoined", f"{joined} of {wanted} nodes joined")]
 
 
 def trainer_failure(current: Mapping[str, Any], observed: Observed) -> str | None:
@@ -216,7 +242,7 @@ def compute_status(current: Mapping[str, Any], observed: Observed, now: str) -> 
     """The whole status of a run from what one reconcile saw; `current` is the status before it.
     The phase is decided first; each condition then has its own function, in KubeRay's manner."""
     o = observed
-    fields = progress_fields(current, o.progress)
+    fields = {**progress_fields(current, o.progress), **ray_fields(current, o)}
     step, total = fields["step"], o.total_steps
     failure = o.invalid or trainer_failure(current, o)
     complete = failure is None and step >= total
@@ -241,6 +267,7 @@ def compute_status(current: Mapping[str, Any], observed: Observed, now: str) -> 
         cond.condition("Suspended", o.suspended, "SuspendRequested" if o.suspended else "NotSuspended"),
         cond.condition("Complete", complete, "StepsDone" if complete else "StepsRemaining", at),
         _failed(o, failure),
+        *_ray_cluster_ready(o, phase, fields["rayNodes"]),
     ]
     start = current.get("startTime") or (now if phase == "Running" or step > 0 else None)
     finished_at = (current.get("completionTime") or now) if phase in ("Complete", "Failed") else None

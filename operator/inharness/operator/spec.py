@@ -378,9 +378,19 @@ class TrainingRunStatus(SpecModel):
     reward_history: list[float] = Field(
         default_factory=list, max_length=100, description="Mean reward of each of the last 100 steps."
     )
+    ray_nodes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Engine verl: Ray nodes (trainer pods with their GPUs) that joined the trainer's "
+        "Ray cluster, as the trainer last reported; null for engine torch.",
+    )
+    ray_nodes_wanted: int | None = Field(
+        default=None, ge=1, description="Engine verl: the Ray nodes the run needs (spec.trainer.nodes)."
+    )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing, Degraded, Suspended, Complete, Failed.",
+        description="Ready, Progressing, Degraded, Suspended, Complete, Failed; RayClusterReady with "
+        "engine verl.",
         json_schema_extra=_CONDITIONS_LIST,
     )
     start_time: str | None = Field(default=None, description="When training started (RFC 3339).")
@@ -612,19 +622,28 @@ class Scheduling(SpecModel):
             field_path=".maxStaleness",
             reason="FieldValueInvalid",
         ),
+        _cel(
+            "self.mode != 'collocated-async' || self.maxStaleness >= 1",
+            "maxStaleness must be at least 1 when mode is collocated-async",
+            field_path=".maxStaleness",
+            reason="FieldValueInvalid",
+        ),
     )
 
-    mode: Literal["sync", "async"] = Field(
+    mode: Literal["sync", "async", "collocated-async"] = Field(
         default="sync",
         description="sync: rollouts of a step use the latest policy. async: rollouts continue during "
-        "updates, up to maxStaleness versions behind.",
+        "updates, up to maxStaleness versions behind. collocated-async: inference and training share "
+        "devices; an update starts as soon as batchSize groups are complete, holds model calls while it "
+        "trains, and drops (then re-runs) a group more than maxStaleness versions behind.",
     )
     max_staleness: int = Field(
         default=0,
         ge=0,
         le=16,
         validate_default=True,
-        description="How many policy versions a training sample may lag; 0 in sync mode, >= 1 in async.",
+        description="How many policy versions a training sample may lag; 0 in sync mode, >= 1 in the "
+        "async modes.",
     )
 
     @field_validator("max_staleness")
@@ -633,8 +652,8 @@ class Scheduling(SpecModel):
         mode = info.data.get("mode")
         if mode == "sync" and staleness != 0:
             raise _spec_error("must be 0 when mode is sync (got {got}); use mode async", got=staleness)
-        if mode == "async" and staleness < 1:
-            raise _spec_error("must be at least 1 when mode is async (got {got})", got=staleness)
+        if mode in ("async", "collocated-async") and staleness < 1:
+            raise _spec_error(f"must be at least 1 when mode is {mode} (got {{got}})", got=staleness)
         return staleness
 
 
@@ -810,17 +829,61 @@ class GatewaySpec(SpecModel):
 
 
 class TrainerSpec(SpecModel):
+    model_config = _rules(
+        _cel(
+            "self.nodes <= 1 || self.engine == 'verl'",
+            "nodes above 1 need engine verl: the torch engine trains in one pod",
+            field_path=".nodes",
+            reason="FieldValueInvalid",
+        )
+    )
+
+    engine: Literal["torch", "verl"] = Field(
+        default="torch",
+        description="torch: the built-in engine (one process; the fastest on a few CPU cores). verl: "
+        "verl's FSDP workers on a Ray cluster (GPUs, or CPU through inharness's platform module).",
+    )
     image: str | None = Field(
         default=None, min_length=1, description="Trainer image; default: the operator's setting."
     )
-    gpus: int = Field(default=1, ge=0, le=64, description="GPUs of the trainer pod (nvidia.com/gpu).")
-    shm_size: str = Field(default="8Gi", min_length=1, description="Size of /dev/shm (a memory emptyDir).")
+    gpus: int = Field(
+        default=1, ge=0, le=64, description="GPUs of each trainer pod (nvidia.com/gpu): of each Ray node."
+    )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        validate_default=True,
+        description="Trainer pods (StatefulSet replicas). With engine verl they form one Ray cluster of "
+        "this many nodes: pod 0 is the head and runs the training, the others join it and hold their "
+        "gpus for verl's workers. Above 1 only with engine verl.",
+    )
+    shm_size: str = Field(
+        default="8Gi",
+        min_length=1,
+        pattern=_QUANTITY,
+        description="Size of /dev/shm (a memory emptyDir) of each trainer pod; with engine verl, half of "
+        "it is Ray's object store.",
+    )
     pod: PodOverrides | None = Field(
         default=None,
         description="Overrides of the trainer pod; resources merge over the defaults: with gpus 0 "
         f"{_shown(TRAINER_CPU_RESOURCES)}; with GPUs, per GPU, {_TRAINER_PER_GPU} (and nvidia.com/gpu as a "
         "limit). A request above a default limit raises that limit to it.",
     )
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes_need_verl(cls, nodes: int, info: ValidationInfo) -> int:
+        engine = info.data.get("engine")
+        if nodes > 1 and engine not in (None, "verl"):
+            raise _spec_error(
+                "nodes above 1 need engine verl (got {got} with engine {engine}): the torch engine "
+                "trains in one pod",
+                got=nodes,
+                engine=engine,
+            )
+        return nodes
 
 
 class TrainingRunSpec(SpecModel):

@@ -15,9 +15,11 @@ How it converges (level-triggered):
   (at start, resume, resync and the pool's and harness's create handlers all reconcile a run).
 
 Status: observedGeneration, phase (Pending, Running, Suspended, Complete, Failed), progress from the
-gateway's /api/v1/progress (step, modelVersion, rewardMean, rollouts done and failed, rewardHistory),
-and the conditions Ready, Progressing, Degraded, Suspended, Complete, Failed. A phase change and a
-failed reconcile are Kubernetes Events on the TrainingRun.
+gateway's /api/v1/progress (step, modelVersion, rewardMean, rollouts done and failed, rewardHistory;
+with engine verl, rayNodes of rayNodesWanted), and the conditions Ready, Progressing, Degraded,
+Suspended, Complete, Failed (and RayClusterReady with engine verl: False, Waiting, "1 of 2 nodes
+joined", until the trainer reports every node). A phase change and a failed reconcile are Kubernetes
+Events on the TrainingRun.
 """
 
 import asyncio
@@ -206,12 +208,14 @@ async def _apply_children(
     progress, progress_error = None, None
     if gateway_available(live_gateway):
         progress, progress_error = await _progress(ctx, name, ns, token)
+    trainer = run.spec.trainer
     observed = Observed(
         **base,
         config_sha256=config_hash,
         gateway=live_gateway,
         progress=progress,
         progress_error=progress_error,
+        ray_nodes_wanted=trainer.nodes if trainer.engine == "verl" else None,
     )
     children = render.render_children(
         run,

@@ -16,7 +16,7 @@ the trainer's list of allowed values, checked against the spec's by tests/traine
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -450,3 +450,17 @@ def token_entropy(logits: Tensor, mask: Tensor | None = None, *, chunk_size: int
     if parts:
         out = out.index_copy(0, idx, torch.cat(parts))
     return out.reshape(lead)
+
+
+def split_by_rollout(
+    rows: list[int], sample_rollout: Sequence[int], parts: int, generator: torch.Generator
+) -> list[list[int]]:
+    """``rows`` (sample indices) in up to ``parts`` mini-batches of whole rollouts, the rollouts shuffled
+    by ``generator`` and dealt round-robin, each mini-batch's rows in their original order."""
+    rollouts = sorted({sample_rollout[i] for i in rows})
+    order = [rollouts[int(k)] for k in torch.randperm(len(rollouts), generator=generator)]
+    part_of = {r: n % parts for n, r in enumerate(order)}
+    split: list[list[int]] = [[] for _ in range(min(parts, len(rollouts)))]
+    for i in rows:
+        split[part_of[sample_rollout[i]]].append(i)
+    return split

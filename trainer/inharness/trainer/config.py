@@ -23,8 +23,7 @@ from inharness.trainer.algorithms import ADVANTAGE_ESTIMATORS, ADVANTAGE_LEVELS,
 if TYPE_CHECKING:
     from inharness.operator.spec import TrainingRunSpec
     from inharness.operator.specfile import Specs
-    from inharness.trainer.loop import LoopState, RunDir
-    from inharness.trainer.torch_engine import TorchTrainingEngine
+    from inharness.trainer.loop import LoopState, Policy, RunDir
 
 KL_ESTIMATOR = "k3"
 """The KL estimate that ``kl_coef`` weighs (a name in `KL_ESTIMATORS`); the spec has no field for it."""
@@ -122,6 +121,7 @@ class LoopConfig:
     max_tokens_per_sample: int | None
     update: UpdateConfig  # passed to the policy's update
     config_sha256: str | None = None  # of the run config, echoed in progress reports (cluster runs)
+    scheduling_mode: str = "sync"  # spec.scheduling.mode, a name in `scheduler.SCHEDULING_MODES`
 
 
 def update_config(spec: TrainingRunSpec) -> UpdateConfig:
@@ -142,6 +142,7 @@ def loop_config(specs: Specs, *, config_sha256: str | None = None) -> LoopConfig
         group_size=spec.algorithm.group_size,
         max_attempts=pool.spec.max_attempts_per_rollout,
         max_staleness=spec.scheduling.max_staleness,
+        scheduling_mode=spec.scheduling.mode,
         checkpoint_interval=spec.checkpoint.interval,
         checkpoint_keep=spec.checkpoint.keep,
         seed=spec.seed,
@@ -151,24 +152,17 @@ def loop_config(specs: Specs, *, config_sha256: str | None = None) -> LoopConfig
     )
 
 
-def load_policy(specs: Specs, rd: RunDir, *, resume: bool) -> tuple[TorchTrainingEngine, LoopState, Path]:
-    """The policy (torch on CPU), the loop state and the weights to serve first: from the spec's
-    model, or from the run directory's last checkpoint when resuming."""
+def load_policy(specs: Specs, rd: RunDir, *, resume: bool) -> tuple[Policy, LoopState, Path]:
+    """The policy (``spec.trainer.engine``: torch, or verl's workers), the loop state and the weights to
+    serve first: from the spec's model, or from the run directory's last checkpoint when resuming."""
     import torch
 
     from inharness.trainer.loop import LoopState
-    from inharness.trainer.torch_engine import TorchTrainingEngine
 
     spec = specs.training_run.spec
     model_path = specs.resolve(spec.model.path)
     torch.manual_seed(spec.seed)
-    policy = TorchTrainingEngine(
-        model_path,
-        learning_rate=spec.algorithm.learning_rate,
-        dtype=spec.model.dtype,
-        seed=spec.seed,
-        kl_reference=spec.algorithm.kl_coef > 0,
-    )
+    policy = _engine(spec, model_path, rd)
     ckpt = rd.latest_checkpoint()
     if not resume or ckpt is None:
         return policy, LoopState(), model_path
@@ -177,3 +171,29 @@ def load_policy(specs: Specs, rd: RunDir, *, resume: bool) -> tuple[TorchTrainin
     serve_path = policy.save_pretrained(rd.weights / f"v{state.version}")
     print(f"resuming {specs.training_run.metadata.name} at step {state.step} (model version {state.version})")
     return policy, state, serve_path
+
+
+def _engine(spec: TrainingRunSpec, model_path: Path, rd: RunDir) -> Policy:
+    if spec.trainer.engine == "verl":
+        from inharness.trainer.verl_engine.engine import VerlTrainingEngine
+
+        return VerlTrainingEngine(
+            model_path,
+            learning_rate=spec.algorithm.learning_rate,
+            weights_root=rd.weights,
+            update=update_config(spec),
+            dtype=spec.model.dtype,
+            seed=spec.seed,
+            kl_reference=spec.algorithm.kl_coef > 0,
+            nnodes=spec.trainer.nodes,
+            gpus_per_node=spec.trainer.gpus,
+        )
+    from inharness.trainer.torch_engine import TorchTrainingEngine
+
+    return TorchTrainingEngine(
+        model_path,
+        learning_rate=spec.algorithm.learning_rate,
+        dtype=spec.model.dtype,
+        seed=spec.seed,
+        kl_reference=spec.algorithm.kl_coef > 0,
+    )

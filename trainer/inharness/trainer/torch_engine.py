@@ -54,6 +54,7 @@ from inharness.trainer.algorithms import (
     clipped_policy_loss,
     kl_penalty,
     loss_weights,
+    split_by_rollout,
     token_advantages,
     token_entropy,
 )
@@ -131,13 +132,13 @@ def _logits(model: PreTrainedModel, ids: Tensor, prefix: int) -> tuple[Tensor | 
     if prefix == 0:
         return None, model(input_ids=ids, use_cache=False).logits
     b = ids.shape[0]
-    # transformers 5.x calls the KV cache argument `cache` (was `past_key_values`).
+    # `past_key_values=`: transformers 5.10 (verl's bound) ignores `cache=` silently; newer accept both.
     cache = DynamicCache(config=model.config)
-    head = model(input_ids=ids[:1, :prefix], cache=cache, use_cache=True).logits[0]
+    head = model(input_ids=ids[:1, :prefix], past_key_values=cache, use_cache=True).logits[0]
     for layer in cache.layers:
         layer.keys = layer.keys.expand(b, -1, -1, -1)
         layer.values = layer.values.expand(b, -1, -1, -1)
-    return head, model(input_ids=ids[:, prefix:], cache=cache, use_cache=True).logits
+    return head, model(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits
 
 
 def _scaled(logits: Tensor, temperature: float) -> Tensor:
@@ -199,20 +200,6 @@ class _Batch:
     behaviour: Tensor
     advantages: Tensor
     sample_rollout: Tensor
-
-
-def _split_by_rollout(
-    rows: list[int], sample_rollout: Sequence[int], parts: int, generator: torch.Generator
-) -> list[list[int]]:
-    """``rows`` (sample indices) in up to ``parts`` mini-batches of whole rollouts, the rollouts shuffled
-    by ``generator`` and dealt round-robin, each mini-batch's rows in their original order."""
-    rollouts = sorted({sample_rollout[i] for i in rows})
-    order = [rollouts[int(k)] for k in torch.randperm(len(rollouts), generator=generator)]
-    part_of = {r: n % parts for n, r in enumerate(order)}
-    split: list[list[int]] = [[] for _ in range(min(parts, len(rollouts)))]
-    for i in rows:
-        split[part_of[sample_rollout[i]]].append(i)
-    return split
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -390,7 +377,7 @@ class TorchTrainingEngine:
         learn = config.kl_coef > 0 or bool(advantages.abs().max() > 0)
         passes = (
             [
-                _split_by_rollout(active, index.sample_rollout, config.ppo_mini_batches, shuffle)
+                split_by_rollout(active, index.sample_rollout, config.ppo_mini_batches, shuffle)
                 for _ in range(config.ppo_epochs)
             ]
             if learn

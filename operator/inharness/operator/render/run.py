@@ -14,6 +14,9 @@ Children of TrainingRun `<run>` (all in the run's namespace, all with the recomm
   SQLite store on the claim (so suspend and pod restarts keep every recorded call).
 - StatefulSet + headless Service `<run>-trainer`: the trainer and its engine (port 8001), Ray-ready
   ports, GPUs as `nvidia.com/gpu`, /dev/shm as a memory emptyDir, a `work` claim for checkpoints.
+  Engine torch: one pod. Engine verl: `spec.trainer.nodes` pods, one Ray cluster (`ray_args`): pod 0
+  is the Ray head and the driver, the others join it at `<run>-trainer-0.<run>-trainer:6379`; the
+  Service publishes not-ready addresses, so they find the head before it is Ready.
 - NetworkPolicies `<run>-trainer`, `<run>-gateway`, `<run>-harness` (unless the operator's
   `network_policies` is off, for clusters that manage policy themselves): the trainer accepts the
   engine port from the run's gateway only and anything from the run's other trainer pods (Ray); the
@@ -58,6 +61,7 @@ from inharness.operator.render.pods import (
     merge_resources,
     overrides_of,
     pod_spec,
+    quantity_value,
     resolve_path,
     user_volume_names,
 )
@@ -67,8 +71,10 @@ from inharness.operator.spec import (
     TRAINER_RESOURCES_PER_GPU,
     HarnessSpec,
     RolloutPool,
+    TrainerSpec,
     TrainingRun,
 )
+from inharness.trainer import raycluster
 
 Obj = dict[str, Any]
 
@@ -89,6 +95,7 @@ TRAINER_DIR = "/var/lib/inharness/trainer"
 CONFIG_HASH_ANNOTATION = "inharness.dev/config-sha256"
 TOKEN_HASH_ANNOTATION = "inharness.dev/admin-token-sha256"
 GPU_RESOURCE = "nvidia.com/gpu"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (Kubernetes 1.28+)
 
 
 class RenderSettings(BaseModel):
@@ -329,7 +336,7 @@ def render_children(
     out.append(_gateway_service(name, gw_meta))
     out.append(_gateway_deployment(run, harness, pool, gw_meta, settings, gw_overrides, token_hash))
     out.append(_trainer_service(name, meta(trainer_name(name), "trainer")))
-    replicas = 0 if run.spec.suspend or finished else 1
+    replicas = 0 if run.spec.suspend or finished else run.spec.trainer.nodes
     tr_meta = meta(trainer_name(name), "trainer")
     out.append(_trainer_statefulset(run, tr_meta, settings, _sha256(config), token_hash, replicas=replicas))
     if settings.network_policies:
@@ -456,14 +463,68 @@ def _trainer_service(run: str, meta: Obj) -> Obj:
     return _service(meta, {**spec, "ports": ports})
 
 
-def _trainer_container(run: TrainingRun, settings: RenderSettings) -> Obj:
+def ray_head_address(run: str) -> str:
+    """Where the run's Ray nodes join the head: trainer pod 0 through the headless Service."""
+    return f"{trainer_name(run)}-0.{trainer_name(run)}:{raycluster.GCS_PORT}"
+
+
+def ray_args(run: str, trainer: TrainerSpec, resources: Obj) -> list[str]:
+    """`inharness train` flags that make each trainer pod a Ray node (engine verl). Every pod has the
+    same flags (one pod template): `inharness train` tells the head (pod 0) from the others by the
+    pod's ordinal. Each node offers the container's CPUs (its CPU limit, else its request, rounded
+    up), its `gpus`, and an object store within its /dev/shm."""
+    cpu = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get("cpu") or 1
+    shm = int(quantity_value(trainer.shm_size))
+    return [
+        "--ray-nodes",
+        str(trainer.nodes),
+        "--ray-head-address",
+        ray_head_address(run),
+        "--ray-node-ip",
+        "$(POD_IP)",
+        "--ray-gpus",
+        str(trainer.gpus),
+        "--ray-cpus",
+        str(raycluster.num_cpus(quantity_value(cpu))),
+        "--ray-object-store-memory",
+        str(raycluster.object_store_memory(shm)),
+    ]
+
+
+def _ray_env() -> list[Obj]:
+    """A Ray node's identity (the pod IP, the ordinal), and Ray's token authentication with the run's
+    engine API key as the token: every trainer pod holds that file, and nothing outside the run does."""
+    return [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {
+            "name": "POD_INDEX",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
+        },
+        {"name": "RAY_AUTH_MODE", "value": "token"},
+        {"name": "RAY_AUTH_TOKEN_PATH", "value": ENGINE_KEY_PATH},
+    ]
+
+
+def _trainer_container(run: TrainingRun, settings: RenderSettings, overrides: Obj) -> Obj:
     name = run.metadata.name
     trainer = run.spec.trainer
+    resources = trainer_resources(trainer.gpus)
+    verl = trainer.engine == "verl"
+    args = ["train", "--config", CONFIG_PATH, "--out", TRAINER_DIR, *SECRET_ARGS]
+    if verl:
+        args += ray_args(name, trainer, merge_resources(resources, overrides.get("resources")))
+    # The engine answers /health from the first version on; before it, the trainer waits for the
+    # gateway (up to 5 minutes) and loads the policy: the startup probe gives that 30 minutes, and a
+    # Ray head the time its nodes may take to join besides. Ray nodes other than the head answer
+    # /health themselves while they run, joined or waiting for the head, so the probes never kill a
+    # node while the head starts. The liveness probe sees only a dead or wedged engine server: a hung
+    # update is not something an HTTP probe can see (a stuck run shows in the status instead).
+    startup_seconds = 1800 + (raycluster.NODES_WAIT_SECONDS if verl else 0)
     container: Obj = {
         "name": "trainer",
         "image": trainer.image or settings.trainer_image,
         "command": ["inharness"],
-        "args": ["train", "--config", CONFIG_PATH, "--out", TRAINER_DIR, *SECRET_ARGS],
+        "args": args,
         "workingDir": WORKSPACE,
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -476,6 +537,7 @@ def _trainer_container(run: TrainingRun, settings: RenderSettings) -> Obj:
             },
             {"name": "INHARNESS_ENGINE_PORT", "value": str(ENGINE_PORT)},
             {"name": "HOME", "value": "/tmp"},
+            *(_ray_env() if verl else []),
         ],
         "ports": [
             {"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"},
@@ -488,12 +550,8 @@ def _trainer_container(run: TrainingRun, settings: RenderSettings) -> Obj:
             {"name": "tmp", "mountPath": "/tmp"},
             _secrets_mount(),
         ],
-        "resources": trainer_resources(trainer.gpus),
-        # The engine answers /health from the first version on; before it, the trainer waits for the
-        # gateway (up to 5 minutes) and loads the policy: the startup probe gives that 30 minutes. The
-        # liveness probe sees only a dead or wedged engine server: a hung update is not something an
-        # HTTP probe can see (a stuck run shows in the status instead).
-        "startupProbe": http_probe("/health", "engine", period=10, failures=180),
+        "resources": resources,
+        "startupProbe": http_probe("/health", "engine", period=10, failures=int(startup_seconds // 10)),
         "readinessProbe": http_probe("/health", "engine", period=10, failures=3),
         "livenessProbe": http_probe("/health", "engine", period=20, failures=3, timeout=5),
     }
@@ -540,7 +598,7 @@ def _trainer_statefulset(
                 "annotations": {CONFIG_HASH_ANNOTATION: config_hash, TOKEN_HASH_ANNOTATION: token_hash},
             },
             "spec": pod_spec(
-                _trainer_container(run, settings), volumes, overrides, read_only_root=True, **extra
+                _trainer_container(run, settings, overrides), volumes, overrides, read_only_root=True, **extra
             ),
         },
     }
