@@ -340,7 +340,9 @@ class _Batch:
         cache = _cache(self.model, [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in kv])
         ids = torch.tensor([prompt[hit:]], dtype=torch.long, device=self.device).expand(n, -1)
         # `past_key_values=`: transformers 5.10 (verl's bound) ignores `cache=` silently; newer accept both.
-        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[
+            :, -1
+        ]
         self.prefix_cache.insert(prompt, [(k[:1], v[:1]) for k, v in _kv(cache)])
         picked = req.record(logits)
         if req.done:
