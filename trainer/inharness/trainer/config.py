@@ -175,7 +175,15 @@ def load_policy(specs: Specs, rd: RunDir, *, resume: bool) -> tuple[Policy, Loop
 
 def _engine(spec: TrainingRunSpec, model_path: Path, rd: RunDir) -> Policy:
     if spec.trainer.engine == "verl":
+        import torch
+
         from inharness.trainer.verl_engine.engine import VerlTrainingEngine
+
+        gpus = spec.trainer.gpus
+        if gpus and not torch.cuda.is_available():
+            # Ray would wait for GPUs that never come: train on the CPU cores instead, and say so.
+            print(f"spec.trainer.gpus is {gpus} but this machine has no GPU: verl trains on the CPU")
+            gpus = 0
 
         return VerlTrainingEngine(
             model_path,
@@ -186,7 +194,7 @@ def _engine(spec: TrainingRunSpec, model_path: Path, rd: RunDir) -> Policy:
             seed=spec.seed,
             kl_reference=spec.algorithm.kl_coef > 0,
             nnodes=spec.trainer.nodes,
-            gpus_per_node=spec.trainer.gpus,
+            gpus_per_node=gpus,
         )
     from inharness.trainer.torch_engine import TorchTrainingEngine
 
