@@ -16,12 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from inharness.engine.sampling import SamplingParams, generate
 from inharness.engine.tiny import init_tiny
 from inharness.trainer import torch_engine
+from inharness.trainer.algorithms import split_by_rollout
 from inharness.trainer.samples import Sample
 from inharness.trainer.torch_engine import (
     TorchTrainingEngine,
     UpdateConfig,
     _common_prefix,
-    _split_by_rollout,
     pack_by_token_budget,
 )
 
@@ -217,13 +217,13 @@ def test_token_budget_accumulation_equals_full_batch_gradient(
 
 def test_mini_batches_hold_whole_rollouts_dealt_evenly() -> None:
     sample_rollout = [0, 1, 1, 2, 3, 3, 3, 4]
-    split = _split_by_rollout(list(range(8)), sample_rollout, 2, torch.Generator().manual_seed(0))
+    split = split_by_rollout(list(range(8)), sample_rollout, 2, torch.Generator().manual_seed(0))
     assert sorted(i for part in split for i in part) == list(range(8))
     assert all(part == sorted(part) for part in split)
     rollouts = [{sample_rollout[i] for i in part} for part in split]
     assert rollouts[0].isdisjoint(rollouts[1]) and sorted(map(len, rollouts)) == [2, 3]
     # More parts than rollouts: one rollout each, no empty mini-batch.
-    assert len(_split_by_rollout([0, 1, 2], [0, 0, 1], 5, torch.Generator())) == 2
+    assert len(split_by_rollout([0, 1, 2], [0, 0, 1], 5, torch.Generator())) == 2
 
 
 def test_ppo_epochs_and_mini_batches_take_several_clipped_steps(

@@ -1,28 +1,31 @@
-"""The training loop: enqueue batches of tasks, wait for their groups, train, publish the next version.
+"""The training loop: enqueue groups of rollouts, wait for them, train, publish the next version.
 
 It talks only to the gateway (rollout queue, export, model versions, serving pause) and to the
 engines' weight-load endpoint, so the same loop drives rollouts that run as local processes or as
-pods. Every batch it creates is journalled before it waits for it, and a checkpoint records the
-step, the model version and the export cursor: a resumed run re-creates nothing and loses nothing.
+pods. What to create, train or drop is decided by `scheduler.Scheduler` (sync, async with a
+staleness bound K, collocated-async); the loop carries its decisions out and feeds it events.
 
-Scheduling: `max_staleness` K = 0 is synchronous (batch k is created after version k is served);
-K ≥ 1 keeps up to K later batches running while batch k trains, so a sample may come from a
-version up to K behind the one it updates (each sample records its versions; `staleness_max`).
-Batches a resumed run adopts beyond that window are held in the gateway (not claimable) until the
-window reaches them, so a resume never serves a batch from an older version than a run would.
+Nothing lost across restarts. The journal (`journal.jsonl`) gets one line per group created (its
+slot and rollout ids), per stale drop and per trained step, each written once the gateway has
+done it; a checkpoint records the step, the model version, the export cursor and the schedule
+(the open groups and their rollouts). A resumed run replays the journal lines written after its
+checkpoint: groups created since are adopted (never re-created), drops stay dropped, and groups
+trained in steps after the checkpoint are trained again (those updates were lost with the process).
+Groups a resumed run adopts beyond the window are held in the gateway (not claimable) until the
+window reaches them, so a resume never serves a group from an older version than a run would.
 
 A step needs samples: a batch in which no rollout produced a trainable sample ends the run with
 `NoTrainableSamples` rather than publishing a version trained on nothing.
 """
 
 import asyncio
+import itertools
 import json
 import logging
 import math
-import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,6 +38,7 @@ from inharness.gateway.schema import ExportedRollout, ProgressReport, ProgressSt
 from inharness.trainer.config import LoopConfig, UpdateConfig
 from inharness.trainer.report import append_metrics, root_reasons, truncate_metrics
 from inharness.trainer.samples import Sample, build_batch
+from inharness.trainer.scheduler import Decision, Scheduler, ScheduleState, scheduling_policy, slot_tasks
 
 log = logging.getLogger("inharness.trainer")
 
@@ -52,8 +56,8 @@ class Policy(Protocol):
 
 
 class NoTrainableSamples(Exception):
-    """Batch `batch` finished without a single trainable sample: every rollout failed (or none
-    called the model). Training on it would publish an unchanged model as a new version."""
+    """The groups of step `batch` finished without a single trainable sample: every rollout failed
+    (or none called the model). Training on them would publish an unchanged model as a new version."""
 
     def __init__(self, batch: int, rollouts: list[ExportedRollout]) -> None:
         failed = sum(1 for r in rollouts if r.rollout.status == "failed")
@@ -67,25 +71,37 @@ class NoTrainableSamples(Exception):
 
 @dataclass
 class LoopState:
-    """What a checkpoint stores besides the policy; `journal` maps batch -> its rollout ids."""
+    """What a checkpoint stores besides the policy; `journal` maps each open group (the keys of
+    `schedule.open`) to its rollout ids."""
 
     step: int = 0  # next step to train
     version: int = 0  # model version being served
     cursor: int = 0  # export cursor: every finished rollout at or before it has been seen
     journal: dict[int, list[str]] = field(default_factory=dict)
     wall_seconds: float = 0.0  # training time up to this state, over every process of the run
+    schedule: ScheduleState = field(default_factory=ScheduleState)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "journal": {str(k): v for k, v in self.journal.items()}}
+        return {
+            **asdict(self),
+            "journal": {str(k): v for k, v in self.journal.items()},
+            "schedule": self.schedule.to_json(),
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "LoopState":
+        if "schedule" not in data:
+            raise ValueError(
+                "this checkpoint was written by an inharness that journalled batches, not groups; "
+                "it cannot be resumed by this version: start a new run (another --out)"
+            )
         return cls(
             step=data["step"],
             version=data["version"],
             cursor=data["cursor"],
             journal={int(k): v for k, v in data["journal"].items()},
             wall_seconds=data.get("wall_seconds", 0.0),
+            schedule=ScheduleState.from_json(data["schedule"]),
         )
 
 
@@ -112,15 +128,36 @@ class RunDir:
 
 
 def batch_tasks(tasks: list[Any], batch: int, batch_size: int, seed: int) -> list[Any]:
-    """Batch k's tasks: consecutive slices of one seeded shuffle per epoch, the same on every run."""
-    out: list[Any] = []
-    start = batch * batch_size
-    while len(out) < batch_size:
-        epoch, offset = divmod(start + len(out), len(tasks))
-        order = list(range(len(tasks)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out.append(tasks[order[offset]])
-    return out
+    """Batch k's tasks (slots k*batch_size onwards): consecutive slices of one seeded shuffle per epoch."""
+    return slot_tasks(tasks, range(batch * batch_size, (batch + 1) * batch_size), seed)
+
+
+class _CallHold:
+    """A serving pause of the gateway around (part of) an update: harness calls wait in the gateway,
+    none fails. Started at most once, ended in a `finally`; `seconds` is how long calls were held."""
+
+    def __init__(self, gateway: GatewayClient) -> None:
+        self._gw = gateway
+        self._since: float | None = None
+        self.seconds = 0.0
+
+    async def start(self) -> None:
+        if self._since is None:
+            began = time.monotonic()
+            await self._gw.pause(drain_seconds=60)
+            self._since = began
+
+    async def end(self) -> None:
+        if self._since is not None:
+            try:
+                await self._gw.resume()
+            finally:
+                self.seconds, self._since = time.monotonic() - self._since, None
+
+
+def _oldest_version(rollouts: list[ExportedRollout]) -> int | None:
+    """The oldest model version that answered a call of these rollouts (None: they made no call)."""
+    return min((c.model_version for r in rollouts for c in r.calls), default=None)
 
 
 class TrainingLoop:
@@ -147,58 +184,61 @@ class TrainingLoop:
         self.cfg = config
         self.dir = run_dir
         self.state = state
+        self.sched = Scheduler(
+            scheduling_policy(config.scheduling_mode),
+            batch_size=config.batch_size,
+            max_staleness=config.max_staleness,
+            steps=config.steps,
+            state=state.schedule,
+            version=state.version,
+        )
         self._progress = on_progress or (lambda _event, _data: None)
-        self._finished: dict[str, ExportedRollout] = {}  # finished rollouts of batches not yet trained
+        self._finished: dict[str, ExportedRollout] = {}  # finished rollouts of open groups
         self._read_cursor = state.cursor
-        self._held: set[int] = set()  # adopted batches beyond the staleness window, held in the gateway
+        self._dropped = 0  # stale groups dropped since the last step's metrics
+        self._run_start, self._wall_before = time.monotonic(), state.wall_seconds
         self.write_errors: list[str] = []  # outputs that could not be written; training went on
-        # Batches created after the last checkpoint are in the journal file: adopt them, never re-create.
-        if run_dir.journal.exists():
-            for line in run_dir.journal.read_text().splitlines():
-                entry = json.loads(line)
-                if entry["batch"] >= state.step:
-                    state.journal.setdefault(entry["batch"], entry["rollouts"])
+        self._replay_journal()
+        self._group_of = {i: g for g, ids in state.journal.items() for i in ids}  # rollout -> open group
+
+    def _replay_journal(self) -> None:
+        """Adopt what the journal says happened after the checkpoint: groups created (never re-create
+        them) and groups dropped (never train them). Trained lines are not replayed: a step after the
+        checkpoint is trained again, as its update was lost with the process."""
+        if not self.dir.journal.exists():
+            return
+        for line in self.dir.journal.read_text().splitlines():
+            entry = json.loads(line)
+            if "group" in entry and self.sched.replay_created(entry["group"], entry["slot"]):
+                self.state.journal[entry["group"]] = entry["rollouts"]
+            for group in entry.get("dropped", []):
+                if self.sched.replay_dropped(group):  # dropped before the step the resumed run redoes
+                    del self.state.journal[group]
+                    self._dropped += 1
 
     async def hold_adopted(self) -> None:
-        """Hold the adopted batches that lie beyond the staleness window (a sync run's next batch,
-        created by a run that died after its checkpoint): call it before rollouts are claimed."""
-        window = self.state.step + self.cfg.max_staleness
-        self._held = {b for b in self.state.journal if b > window}
-        ids = [i for b in sorted(self._held) for i in self.state.journal[b]]
+        """Hold the adopted groups that lie beyond the window (a sync run's next batch, created by a
+        run that died after its checkpoint): call it before rollouts are claimed."""
+        ids = self._rollouts(self.sched.hold_beyond_window())
         if ids:
             await self.gw.hold(ids)
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Carry out the scheduler's decisions, reading finished rollouts in between, to the last step."""
         truncate_metrics(self.dir.metrics, before_step=self.state.step)
-        start, wall_before = time.monotonic(), self.state.wall_seconds
+        self._run_start, self._wall_before = time.monotonic(), self.state.wall_seconds
+        step_start, delay = time.monotonic(), 0.05
         while self.state.step < self.cfg.steps and not stop.is_set():
-            step = self.state.step
-            t0 = time.monotonic()
-            await self._enqueue_up_to(min(step + self.cfg.max_staleness, self.cfg.steps - 1))
-            rollouts = await self._wait_for_batch(step, stop)
-            if rollouts is None:
-                return
-            t1 = time.monotonic()
-            samples, stats = build_batch(rollouts, max_tokens=self.cfg.max_tokens_per_sample)
-            trainable = [s for s in samples if s.reward is not None]
-            if not trainable:
-                raise NoTrainableSamples(step, rollouts)
-            update = await asyncio.to_thread(self.policy.update, trainable, self.cfg.update)
-            t2 = time.monotonic()
-            await self._publish(self.state.version + 1)
-            t3 = time.monotonic()
-            for r in rollouts:
-                self._finished.pop(r.rollout.id, None)
-            self.state.step += 1
-            self.state.cursor = self._safe_cursor()
-            self.state.wall_seconds = wall_before + (t3 - start)
-            metrics = self._metrics(step, rollouts, trainable, stats, update, (t0, t1, t2, t3))
-            self._write(f"metrics of step {step}", append_metrics, self.dir.metrics, metrics)
-            self._progress("step", metrics)
-            last = self.state.step == self.cfg.steps
-            if last or self.state.step % self.cfg.checkpoint_interval == 0:
-                await asyncio.to_thread(self._write, f"checkpoint step-{self.state.step}", self.checkpoint)
-            await self.report("complete" if last else "running", reward_mean=metrics["reward_mean"])
+            decision = self.sched.decide()
+            await self._carry_out(decision)
+            if decision.update:
+                await self._train(decision.update, step_start)
+                step_start, delay = time.monotonic(), 0.05
+            elif not await self._read_export():
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                except TimeoutError:
+                    delay = min(delay * 1.5, 0.5)
 
     def _write(self, what: str, write: Callable[..., Any], *args: Any) -> None:
         """An output write that must not end the run (a full or read-only disk): say what was not
@@ -228,72 +268,150 @@ class TrainingLoop:
         except (GatewayError, httpx.HTTPError) as exc:
             log.warning("progress report for step %d not delivered: %s", self.state.step, exc)
 
-    # -- rollouts ----------------------------------------------------------------------------
+    # -- groups ------------------------------------------------------------------------------
 
-    async def _enqueue_up_to(self, last_batch: int) -> None:
-        for batch in range(self.state.step, last_batch + 1):
-            if batch in self._held:
-                await self.gw.unhold(self.state.journal[batch])
-                self._held.discard(batch)
-            if batch in self.state.journal:
-                continue
-            tasks = batch_tasks(self.tasks, batch, self.cfg.batch_size, self.cfg.seed)
-            created = await self.gw.create_rollouts(
-                tasks,
-                group_size=self.cfg.group_size,
-                labels={"run": self.cfg.run_name, "batch": str(batch)},
-                pool=self.cfg.pool,
-                max_attempts=self.cfg.max_attempts,
-            )
-            self.state.journal[batch] = [r.id for r in created]
-            with self.dir.journal.open("a") as f:
-                f.write(json.dumps({"batch": batch, "rollouts": self.state.journal[batch]}) + "\n")
-            self._progress("enqueued", {"batch": batch, "rollouts": len(created)})
+    async def _carry_out(self, decision: Decision) -> None:
+        """Drops first (journalled before their slots' new groups, as a replay needs them), then
+        releases and creations; the update is `_train`'s."""
+        if decision.drop:
+            self._forget(decision.drop)
+            self._dropped += len(decision.drop)
+            self._journal({"dropped": list(decision.drop), "step": self.state.step, "reason": "stale"})
+            log.info("dropped %d stale groups before step %d", len(decision.drop), self.state.step)
+        if decision.release:
+            await self.gw.unhold(self._rollouts(decision.release))
+        by_batch = itertools.groupby(decision.create, key=lambda gs: gs[1] // self.cfg.batch_size)
+        for batch, groups in by_batch:
+            await self._create(batch, list(groups))
 
-    async def _wait_for_batch(self, batch: int, stop: asyncio.Event) -> list[ExportedRollout] | None:
-        wanted = self.state.journal[batch]
-        wanted_set = set(wanted)
-        pending = {b: set(ids) for b, ids in self.state.journal.items() if b >= self.state.step}
-        delay = 0.05
-        while not stop.is_set():
-            try:
-                async for item in self.gw.export(after=self._read_cursor):
-                    self._read_cursor = item.cursor
-                    if any(item.rollout.id in ids for ids in pending.values()):
-                        self._finished[item.rollout.id] = item
-            except httpx.TransportError as exc:  # a gateway that died mid-stream: read on once it is back
-                log.warning("export of batch %d interrupted, reading on: %r", batch, exc)
-            done = sum(1 for i in wanted if i in self._finished)
-            self._progress("rollouts", {"batch": batch, "done": done, "total": len(wanted)})
-            if wanted_set <= self._finished.keys():
-                return [self._finished[i] for i in wanted]
-            try:
-                await asyncio.wait_for(stop.wait(), delay)
-            except TimeoutError:
-                delay = min(delay * 1.5, 0.5)
-        return None
+    async def _create(self, batch: int, groups: list[tuple[int, int]]) -> None:
+        """Create `groups` ((group, slot) pairs of one batch, labelled with it) in one request, then
+        journal each: a group is journalled only once the gateway holds it."""
+        created = await self.gw.create_rollouts(
+            slot_tasks(self.tasks, [slot for _, slot in groups], self.cfg.seed),
+            group_size=self.cfg.group_size,
+            labels={"run": self.cfg.run_name, "batch": str(batch)},
+            pool=self.cfg.pool,
+            max_attempts=self.cfg.max_attempts,
+        )
+        ids: dict[str, list[str]] = {}
+        for r in created:  # task order, a group's rollouts together
+            ids.setdefault(r.group_id, []).append(r.id)
+        for (group, slot), rollouts in zip(groups, ids.values(), strict=True):
+            self.state.journal[group] = rollouts
+            self._group_of.update(dict.fromkeys(rollouts, group))
+            self._journal({"group": group, "slot": slot, "rollouts": rollouts})
+        self._progress("enqueued", {"batch": batch, "rollouts": len(created)})
+
+    def _journal(self, entry: dict[str, Any]) -> None:
+        with self.dir.journal.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def _rollouts(self, groups: Sequence[int]) -> list[str]:
+        return [i for g in groups for i in self.state.journal[g]]
+
+    def _forget(self, groups: Sequence[int]) -> None:
+        """Trained or dropped groups: no longer waited for, nor kept in the next checkpoint."""
+        for rollout in self._rollouts(groups):
+            self._finished.pop(rollout, None)
+            self._group_of.pop(rollout, None)
+        for group in groups:
+            del self.state.journal[group]
+
+    async def _read_export(self) -> bool:
+        """Read the rollouts finished since the last read and tell the scheduler of each group now
+        complete; returns whether one is (then decide again at once)."""
+        touched: set[int] = set()
+        try:
+            async for item in self.gw.export(after=self._read_cursor):
+                self._read_cursor = item.cursor
+                group = self._group_of.get(item.rollout.id)
+                if group is not None:
+                    self._finished[item.rollout.id] = item
+                    touched.add(group)
+        except httpx.TransportError as exc:  # a gateway that died mid-stream: read on once it is back
+            log.warning("export before step %d interrupted, reading on: %r", self.state.step, exc)
+        complete = [g for g in sorted(touched) if all(i in self._finished for i in self.state.journal[g])]
+        for group in complete:
+            finished = [self._finished[i] for i in self.state.journal[group]]
+            self.sched.group_finished(group, _oldest_version(finished))
+        self._progress("rollouts", {"batch": self.state.step, **self._rollout_progress()})
+        return bool(complete)
+
+    def _rollout_progress(self) -> dict[str, int]:
+        """Finished rollouts of the batch_size groups nearest to complete among those the next update
+        may take (in order: the oldest batch_size groups)."""
+        done = sorted(
+            (sum(i in self._finished for i in self.state.journal[g]) for g in self.sched.candidates()),
+            reverse=True,
+        )
+        return {"done": sum(done[: self.cfg.batch_size]), "total": self.cfg.batch_size * self.cfg.group_size}
 
     def _safe_cursor(self) -> int:
         """The export cursor a resumed run may start from without missing a rollout it still needs."""
         waiting = [r.cursor for r in self._finished.values()]
         return min(waiting) - 1 if waiting else self._read_cursor
 
+    # -- steps -------------------------------------------------------------------------------
+
+    async def _train(self, groups: tuple[int, ...], started: float) -> None:
+        """One step: train on `groups` (their samples whole: the engine packs micro-batches by its
+        token budget), publish the next version, record the step."""
+        step = self.state.step
+        rollouts = [self._finished[i] for i in self._rollouts(groups)]
+        t1 = time.monotonic()
+        samples, stats = build_batch(rollouts, max_tokens=self.cfg.max_tokens_per_sample)
+        trainable = [s for s in samples if s.reward is not None]
+        if not trainable:
+            raise NoTrainableSamples(step, rollouts)
+        update, t2, held = await self._update_and_publish(trainable)
+        t3 = time.monotonic()
+        self.sched.update_done()
+        self._forget(groups)
+        self._journal({"trained": list(groups), "step": step})
+        self.state.step += 1
+        self.state.cursor = self._safe_cursor()
+        self.state.wall_seconds = self._wall_before + (t3 - self._run_start)
+        times = (started, t1, t2, t3)
+        metrics = self._metrics(
+            step, rollouts, trainable, stats, update, times, dropped=self._dropped, held_s=held
+        )
+        self._dropped = 0
+        await self._record(step, metrics)
+
+    async def _record(self, step: int, metrics: dict[str, Any]) -> None:
+        self._write(f"metrics of step {step}", append_metrics, self.dir.metrics, metrics)
+        self._progress("step", metrics)
+        last = self.state.step == self.cfg.steps
+        if last or self.state.step % self.cfg.checkpoint_interval == 0:
+            await asyncio.to_thread(self._write, f"checkpoint step-{self.state.step}", self.checkpoint)
+        await self.report("complete" if last else "running", reward_mean=metrics["reward_mean"])
+
     # -- versions ----------------------------------------------------------------------------
 
-    async def _publish(self, version: int) -> None:
-        """Serve the updated weights as `version`; harness calls wait in the gateway meanwhile."""
-        path = await asyncio.to_thread(self.policy.save_pretrained, self.dir.weights / f"v{version}")
-        await self.gw.pause(drain_seconds=60)
+    async def _update_and_publish(self, samples: list[Sample]) -> tuple[dict[str, float], float, float]:
+        """Train on `samples` and serve the result as the next version; returns the update's metrics,
+        when the update ended, and how long harness calls were held: while the engines load the
+        weights, and, where inference and training share devices, while the update trains too."""
+        version = self.state.version + 1
+        hold = _CallHold(self.gw)
         try:
+            if self.sched.policy.hold_calls_during_update:
+                await hold.start()
+            update = await asyncio.to_thread(self.policy.update, samples, self.cfg.update)
+            updated_at = time.monotonic()
+            path = await asyncio.to_thread(self.policy.save_pretrained, self.dir.weights / f"v{version}")
+            await hold.start()
             for url in self.engine_urls:
                 await self._load_weights(url, path, version)
             await self.gw.register_version(version, self.engine_urls, activate=True)
         finally:
-            await self.gw.resume()
+            await hold.end()
         self.state.version = version
         stale = self.dir.weights / f"v{version - 2}"
         if stale.exists():
             shutil.rmtree(stale)
+        return update, updated_at, hold.seconds
 
     async def _load_weights(self, url: str, path: Path, version: int) -> None:
         """Load `path` into the engine at `url`; an engine that cannot be reached is waited for (up
@@ -352,7 +470,13 @@ class TrainingLoop:
         stats: Any,
         update: dict[str, float],
         times: tuple[float, float, float, float],
+        *,
+        dropped: int = 0,
+        held_s: float = 0.0,
     ) -> dict[str, Any]:
+        """The step's row of metrics.jsonl. `times`: when the step began (after the last publish),
+        when its groups were ready, when the update ended, when the version was served. `dropped`:
+        stale groups dropped since the last step; `held_s`: how long calls were held in the gateway."""
         ok = [
             r.rollout.reward
             for r in rollouts
@@ -361,7 +485,8 @@ class TrainingLoop:
         mean = sum(ok) / len(ok) if ok else math.nan
         std = math.sqrt(sum((x - mean) ** 2 for x in ok) / len(ok)) if ok else math.nan
         calls = [c for r in rollouts for c in r.calls]
-        versions = [v for s in samples for v in s.model_versions]
+        trained_on = self.state.version - 1  # the update just published `version`
+        lags = [trained_on - v for s in samples for v in s.model_versions]
         t0, t1, t2, t3 = times
         return {
             **{f"update_{k}" if k in _OWN_KEYS else k: update[k] for k in sorted(update)},
@@ -371,6 +496,8 @@ class TrainingLoop:
             "reward_std": std,
             "accuracy": sum(1 for x in ok if x >= 1.0) / len(ok) if ok else math.nan,
             "rollouts": len(rollouts),
+            "groups_trained": len({r.rollout.group_id for r in rollouts}),
+            "dropped_stale": dropped,
             "failed_rollouts": sum(1 for r in rollouts if r.rollout.status == "failed"),
             "calls": len(calls),
             "samples": len(samples),
@@ -379,11 +506,12 @@ class TrainingLoop:
             "splits": dict(stats.splits),
             "prefix_mismatches": sum(1 for c in calls if c.prefix_mismatch),
             "root_reasons": root_reasons(calls),
-            # trained on version - 1 (the update just published `version`)
-            "staleness_max": (self.state.version - 1 - min(versions)) if versions else 0,
+            "staleness_max": max(lags, default=0),
+            "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
             "time_rollout_s": t1 - t0,
             "time_update_s": t2 - t1,
             "time_publish_s": t3 - t2,
+            "time_calls_held_s": held_s,
             "time_step_s": t3 - t0,
             "wall_s": self.state.wall_seconds,
         }

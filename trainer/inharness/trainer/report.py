@@ -81,6 +81,7 @@ def summarize(metrics: list[dict[str, Any]], *, wall_seconds: float) -> dict[str
         "wall_seconds": wall_seconds,
         "rollouts": sum(m["rollouts"] for m in metrics),
         "failed_rollouts": sum(m["failed_rollouts"] for m in metrics),
+        "dropped_stale": sum(m.get("dropped_stale", 0) for m in metrics),
         "samples": sum(m["samples"] for m in metrics),
         "tokens": sum(m["tokens"] for m in metrics),
         "prefix_mismatches": sum(m["prefix_mismatches"] for m in metrics),
