@@ -157,7 +157,7 @@ class VerlTrainingEngine:
         self.cpu = gpus_per_node == 0
         self.step = 0  # optimizer steps taken, as the torch engine counts them
         self.world_size = nnodes * (cpu_workers if self.cpu else gpus_per_node)
-        self._ray(nnodes)
+        self._ray()
         cfg = worker_config(
             self.model_dir,
             learning_rate=learning_rate,
@@ -173,23 +173,26 @@ class VerlTrainingEngine:
 
     # -- set-up -------------------------------------------------------------------------------
 
-    def _ray(self, nnodes: int) -> None:
+    def _ray(self) -> None:
         import ray
 
         if self.cpu:
             os.environ.update(CPU_ENV)  # the driver resolves verl's platform too (placement groups)
-        if ray.is_initialized():
-            return
-        env = {**(CPU_ENV if self.cpu else {}), "TOKENIZERS_PARALLELISM": "false"}
-        if self.cpu:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.world_size))
-        ray.init(
+        if not ray.is_initialized():
             # verl's bundles ask for CPUs per worker: enough logical CPUs for two groups of workers.
-            num_cpus=max(4 * self.world_size, os.cpu_count() or 1),
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": env},
-        )
+            ray.init(
+                num_cpus=max(4 * self.world_size, os.cpu_count() or 1),
+                include_dashboard=False,
+                log_to_driver=False,  # worker errors still reach the driver, as exceptions
+            )
+
+    def _worker_env(self) -> dict[str, str]:
+        """Set per worker (not per `ray.init`), so that it holds on a cluster `inharness train` joined."""
+        env = {"TOKENIZERS_PARALLELISM": "false"}
+        if self.cpu:
+            env.update(CPU_ENV)
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.world_size))
+        return env
 
     def _group(self, cfg: Any, role: str, nnodes: int) -> Any:
         import ray
@@ -201,6 +204,7 @@ class VerlTrainingEngine:
             process_on_nodes=[per_node] * nnodes, use_gpu=not self.cpu, max_colocate_count=1
         )
         cls = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=cfg, role=role)
+        cls.update_options({"runtime_env": {"env_vars": self._worker_env()}})
         group = RayWorkerGroup(
             resource_pool=pool, ray_cls_with_init=cls, device_name="cpu" if self.cpu else "cuda"
         )
