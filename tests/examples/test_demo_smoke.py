@@ -12,10 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_demo_trains_from_a_repository_root_with_its_relative_defaults(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("engine", "out_dir"), [("torch", "calc-demo"), ("verl", "calc-demo-verl")], ids=["torch", "verl"]
+)
+def test_the_demo_trains_from_a_repository_root_with_its_relative_defaults(
+    tmp_path: Path, engine: str, out_dir: str
+) -> None:
+    """The verl case is `make demo-verl`'s path: `inharness run` with spec.trainer.engine verl, its
+    FSDP workers on a local Ray (about three minutes here)."""
     root = tmp_path / "clone"
     shutil.copytree(
         REPO / "examples" / "calc",
@@ -23,7 +32,7 @@ def test_the_demo_trains_from_a_repository_root_with_its_relative_defaults(tmp_p
         ignore=shutil.ignore_patterns("model", "__pycache__"),
     )
     result = subprocess.run(
-        [sys.executable, "examples/calc/demo.py", "--smoke"],
+        [sys.executable, "examples/calc/demo.py", "--smoke", "--engine", engine],
         cwd=root,
         capture_output=True,
         text=True,
@@ -34,7 +43,7 @@ def test_the_demo_trains_from_a_repository_root_with_its_relative_defaults(tmp_p
     assert result.returncode == 0, output
     assert "smoke: every step trained, no rollout failed" in output
 
-    out = root / "runs" / "calc-demo" / "rollout-level"
+    out = root / "runs" / out_dir / "rollout-level"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
     assert all(m["samples"] > 0 and m["failed_rollouts"] == 0 for m in metrics)
