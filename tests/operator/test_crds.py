@@ -456,6 +456,8 @@ SCHEMA_REJECTS: list[tuple[str, str, dict[tuple[str, ...], Any], str]] = [
     ("enum", "TrainingRun", {("spec", "scheduling"): {"mode": "eventual"}}, "eventual"),
     ("maximum", "TrainingRun", {("spec", "generation"): {"temperature": 3}}, "maximum"),
     ("exclusive-minimum", "TrainingRun", {("spec", "algorithm"): {"learningRate": 0}}, "less than or equal"),
+    ("tis-cap-minimum", "TrainingRun", {("spec", "algorithm"): {"tisCap": 0.5}}, "less than the minimum"),
+    ("correction-enum", "TrainingRun", {("spec", "algorithm"): {"offPolicyCorrection": "is"}}, "'is'"),
     ("required", "TrainingRun", {("spec", "rolloutPoolRef"): None}, "rolloutPoolRef"),
     ("name-pattern", "TrainingRun", {("metadata", "name"): "Calc_Run"}, "does not match"),
     ("quantity", "TrainingRun", {(*_RESOURCES, "resources"): {"limits": {"memory": "lots"}}}, "lots"),

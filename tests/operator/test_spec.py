@@ -12,6 +12,7 @@ import yaml
 
 from inharness.operator.spec import (
     KINDS,
+    Algorithm,
     HarnessSpec,
     HarnessSpecSpec,
     RolloutPool,
@@ -87,6 +88,13 @@ def test_valid_file_loads_and_resolves(tmp_path: Path) -> None:
     assert pool.spec.lease_for(h.spec) == 90 and pool.spec.max_attempts_per_rollout == 2
     assert specs.resolve("models/tiny") == tmp_path.resolve() / "models/tiny"
     assert load_tasks(specs) == TASKS
+
+
+def test_the_off_policy_correction_and_its_cap() -> None:
+    assert (Algorithm().off_policy_correction, Algorithm().tis_cap) == ("bypass", 2.0)
+    tis = Algorithm.model_validate({"offPolicyCorrection": "tis", "tisCap": 1})
+    assert (tis.off_policy_correction, tis.tis_cap) == ("tis", 1.0)
+    assert tis.model_dump()["offPolicyCorrection"] == "tis" and tis.model_dump()["tisCap"] == 1.0
 
 
 def test_inline_tasks_and_defaults(tmp_path: Path) -> None:
@@ -219,6 +227,20 @@ CASES = [
         "ppo",
         f"{R}: spec.algorithm.advantageEstimator: Input should be 'grpo' or 'rloo'",
         id="bad enum",
+    ),
+    pytest.param(
+        2,
+        "spec.algorithm.tisCap",
+        0.5,
+        f"{R}: spec.algorithm.tisCap: Input should be greater than or equal to 1",
+        id="tis cap below 1",
+    ),
+    pytest.param(
+        2,
+        "spec.algorithm.offPolicyCorrection",
+        "is",
+        f"{R}: spec.algorithm.offPolicyCorrection: Input should be 'bypass' or 'tis'",
+        id="bad correction",
     ),
     pytest.param(
         2,

@@ -11,8 +11,10 @@ from inharness.trainer.algorithms import (
     kl_penalty,
     loss_weights,
     masked_mean,
+    off_policy_correction,
     rollout_advantages,
     sample_advantages,
+    tis_weights,
     token_advantages,
     token_entropy,
 )
@@ -179,6 +181,67 @@ def test_clipped_loss_ignores_masked_positions_and_aggregates_per_rollout() -> N
     close(loss, 1 / 3)
     assert metrics["ratio_max"] == pytest.approx(1.0)
     assert metrics["clip_frac"] == 0.0
+
+
+def test_tis_weights_are_truncated_masked_and_detached() -> None:
+    # old - behaviour = [0, 0.5, -1, 2, 3]: exp -> [1, 1.648721, 0.367879, 7.389056 -> 2, 20.09 (masked)]
+    old = torch.tensor([[-1.0, -0.5, -2.0, -0.1, -0.2]], requires_grad=True)
+    behaviour = torch.tensor([[-1.0, -1.0, -1.0, -2.1, -3.2]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    w = tis_weights(old, behaviour, mask, cap=2.0)
+    close(w, [[1.0, 1.648721, 0.367879, 2.0, 0.0]])
+    assert not w.requires_grad and w.dtype == torch.float32
+    close(tis_weights(old, behaviour, mask, cap=1.0), [[1.0, 1.0, 0.367879, 1.0, 0.0]])
+    # A far-off token: the log ratio is clamped to 20 before exp, then the cap applies.
+    close(
+        tis_weights(torch.zeros(1, 1), torch.full((1, 1), -1e4), torch.ones(1, 1), cap=1e9), [[math.exp(20)]]
+    )
+    with pytest.raises(ValueError, match="at least 1"):
+        tis_weights(old, behaviour, mask, cap=0.5)
+    with pytest.raises(ValueError, match="one shape"):
+        tis_weights(old, behaviour[:, :3], mask)
+
+
+def test_off_policy_corrections_by_name() -> None:
+    behaviour = torch.tensor([[-1.0, -1.0, -1.0, 0.0]])
+    old = torch.tensor([[-1.0, 0.0, -1.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    calls: list[int] = []
+
+    def policy() -> torch.Tensor:
+        calls.append(1)
+        return old
+
+    bypass = off_policy_correction(behaviour, policy, mask, "bypass")
+    assert bypass.old_logprobs is behaviour and bypass.is_weights is None and bypass.metrics == {}
+    assert calls == []  # bypass runs no forward pass
+    tis = off_policy_correction(behaviour, policy, mask, "tis", tis_cap=2.0)
+    assert calls == [1] and tis.old_logprobs.equal(old)
+    assert tis.is_weights is not None
+    close(tis.is_weights, [[1.0, 2.0, 0.606531, 0.0]])  # e^1 = 2.718 truncated to 2
+    # token means over the three generated tokens; one of them was truncated
+    assert tis.metrics["tis_weight_mean"] == pytest.approx((1.0 + 2.0 + 0.606531) / 3, rel=1e-5)
+    assert tis.metrics["tis_clip_frac"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="unknown off-policy correction 'is'; known: bypass, tis"):
+        off_policy_correction(behaviour, policy, mask, "is")
+
+
+def test_is_weights_multiply_each_tokens_clipped_loss() -> None:
+    # The per-token losses of test_clipped_loss_values_gradients_and_metrics, weighed after the clip:
+    # [-1.28, -0.5, 0.8, 1.5, -2.2] * [1, 2, 0.5, 2, 1] = [-1.28, -1, 0.4, 3, -2.2] -> mean -0.216.
+    ratios, adv = [1.5, 0.5, 0.5, 1.5, 1.1], [1.0, 1.0, -1.0, -1.0, 2.0]
+    logprobs, behaviour, advantages, mask = _policy_inputs(ratios, adv)
+    is_weights = torch.tensor([[1.0, 2.0, 0.5, 2.0, 1.0]])
+    loss, metrics = clipped_policy_loss(
+        logprobs, behaviour, advantages, mask, clip_low=0.2, clip_high=0.28, is_weights=is_weights
+    )
+    close(loss, -0.216)
+    loss.backward()
+    assert logprobs.grad is not None
+    close(logprobs.grad, [[0.0, -0.2, 0.0, 0.6, -0.44]])
+    assert metrics["clip_frac"] == pytest.approx(0.4)  # of the ratio; the weights do not change it
+    with pytest.raises(ValueError, match="is_weights"):
+        clipped_policy_loss(logprobs, behaviour, advantages, mask, is_weights=is_weights[:, :2])
 
 
 def test_kl_estimators() -> None:

@@ -18,6 +18,7 @@ from inharness.trainer.algorithms import (
     ADVANTAGE_LEVELS,
     KL_ESTIMATORS,
     LOSS_NORMALIZATIONS,
+    OFF_POLICY_CORRECTIONS,
     Registry,
     kl_penalty,
     loss_weights,
@@ -39,6 +40,7 @@ CHOICES = [
     ("advantage_estimator", ADVANTAGE_ESTIMATORS),
     ("advantage_level", ADVANTAGE_LEVELS),
     ("loss_normalization", LOSS_NORMALIZATIONS),
+    ("off_policy_correction", OFF_POLICY_CORRECTIONS),
 ]
 
 
@@ -119,6 +121,12 @@ def test_unknown_names_are_refused_naming_the_known_ones() -> None:
         UpdateConfig(loss_normalization="batch")
     with pytest.raises(ValueError, match="advantage_level: unknown advantage level 'task'"):
         UpdateConfig(advantage_level="task")
+    with pytest.raises(
+        ValueError, match=r"^off_policy_correction: unknown off-policy correction 'is'; known: "
+    ):
+        UpdateConfig(off_policy_correction="is")
+    with pytest.raises(ValueError, match=r"tis_cap must be at least 1, got 0\.5"):
+        UpdateConfig(off_policy_correction="tis", tis_cap=0.5)
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
         rollout_advantages(torch.tensor([1.0]), torch.tensor([0]), "ppo")
     with pytest.raises(ValueError, match="unknown advantage level 'task'"):

@@ -243,6 +243,55 @@ def test_ppo_epochs_and_mini_batches_take_several_clipped_steps(
         assert delta > 0 if s.reward == 1.0 else delta < 0, (s.rollout_id, delta)
 
 
+TIS = UpdateConfig(off_policy_correction="tis", tis_cap=2.0)
+
+
+def test_tis_on_policy_is_bypass_exactly(model_dir: Path, samples: list[Sample]) -> None:
+    """Behaviour log-probs that are the current policy's: θ_old is the behaviour, every weight is 1,
+    and four steps (two mini-batches, two epochs) move the weights exactly as bypass mode does. θ_old
+    costs one forward pass per update, before the first step."""
+    steps = {"ppo_mini_batches": 2, "ppo_epochs": 2, "kl_coef": 0.0}
+    runs = {}
+    for mode in ("bypass", "tis"):
+        engine = TorchTrainingEngine(model_dir, learning_rate=3e-3)
+        calls = _model_calls(engine)
+        config = UpdateConfig(off_policy_correction=mode, **steps)  # type: ignore[arg-type]
+        runs[mode] = (engine.update(samples, config), _params(engine), len(calls))
+    (bypass, bypass_params, bypass_calls), (tis, tis_params, tis_calls) = runs["bypass"], runs["tis"]
+    assert tis.pop("tis_weight_mean") == 1.0 and tis.pop("tis_clip_frac") == 0.0
+    assert tis == bypass and "tis_weight_mean" not in bypass
+    assert all(torch.equal(tis_params[n], bypass_params[n]) for n in bypass_params)
+    assert (bypass_calls, tis_calls) == (4, 5)
+
+
+def test_tis_weighs_tokens_by_the_truncated_ratio_to_the_behaviour(
+    model_dir: Path, samples: list[Sample]
+) -> None:
+    """Behaviour log-probs below the policy's by a known Δ per token: the weights are min(exp(Δ), cap),
+    and the PPO ratio is to the trainer's own log-probs, so one step on fresh weights clips nothing."""
+    shifted = copy.deepcopy(samples)
+    deltas = (-0.5, 0.2, 1.0)  # exp: 0.607, 1.221, 2.718 (truncated to 2)
+    ratios: list[float] = []  # exp(Δ) per generated token
+    for s in shifted:
+        k = 0
+        for i, m in enumerate(s.loss_mask):
+            if m:
+                s.behaviour_logprobs[i] -= deltas[k % 3]
+                ratios.append(math.exp(deltas[k % 3]))
+                k += 1
+    expected = [min(r, TIS.tis_cap) for r in ratios]
+    engine = TorchTrainingEngine(model_dir, learning_rate=1e-3)
+    m = engine.update(shifted, TIS)
+    assert m["tis_weight_mean"] == pytest.approx(sum(expected) / len(expected), rel=1e-4)
+    assert m["tis_clip_frac"] == pytest.approx(expected.count(2.0) / len(expected))
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m["clip_frac"] == 0.0
+    assert m["logprob_mismatch"] == pytest.approx(sum(abs(math.log(r)) for r in ratios) / len(ratios))
+    # Bypass takes the ratio to the behaviour instead: exp(Δ), some of it clipped.
+    bypass = TorchTrainingEngine(model_dir, learning_rate=1e-3).update(shifted, UpdateConfig())
+    assert bypass["ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-4)
+    assert bypass["clip_frac"] > 0 and "tis_weight_mean" not in bypass
+
+
 def test_lr_warmup_ramps_the_rate_by_optimizer_step_and_survives_resume(
     model_dir: Path, samples: list[Sample], tmp_path: Path
 ) -> None:

@@ -68,9 +68,22 @@ def test_response_space_takes_the_positions_after_each_prompt() -> None:
         assert out[i, m:].abs().sum() == 0
 
 
+def test_an_off_policy_correction_replaces_old_log_probs_and_adds_weights() -> None:
+    samples = _samples(4, seed=2)
+    plain = data.to_batch(samples)
+    assert "rollout_is_weights" not in plain
+    r = plain["responses"].shape[1]
+    old, weights = -torch.rand(4, r), torch.rand(4, r) * 2
+    batch = data.to_batch(samples, old_log_probs=old, rollout_is_weights=weights)
+    assert batch["old_log_probs"].equal(old) and batch["rollout_is_weights"].equal(weights)
+    assert batch["input_ids"].equal(plain["input_ids"])
+
+
 def test_tensors_of_the_wrong_shape_are_refused() -> None:
     samples = _samples(3)
     with pytest.raises(ValueError, match="advantages must have shape"):
         data.to_batch(samples, advantages=torch.zeros(3, 1000))
+    with pytest.raises(ValueError, match="rollout_is_weights must have shape"):
+        data.to_batch(samples, rollout_is_weights=torch.zeros(2, 1))
     with pytest.raises(ValueError, match="at least one sample"):
         data.to_batch([])

@@ -63,6 +63,15 @@ SECOND = UpdateConfig(
     ppo_epochs=2,
     loss_normalization="sample",
 )
+THIRD = UpdateConfig(
+    kl_coef=0.1,
+    lr_warmup_steps=3,
+    grad_clip=0.5,
+    ppo_mini_batches=2,
+    loss_normalization="token",
+    off_policy_correction="tis",
+    tis_cap=2.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -121,23 +130,25 @@ def test_one_batch_trains_the_same_under_both_engines(verl_engine: object, tiny_
     """fp32: the same losses and metrics, and the same policy after each update (log-probs of every
     sample from the weights verl's checkpoint backend wrote), to 1e-5 after a single step. The
     second update takes four steps (two mini-batches of whole rollouts, two epochs) with warm-up,
-    gradient clipping, KL and sample normalisation."""
+    gradient clipping, KL and sample normalisation. The third corrects off-policy samples by TIS:
+    the behaviour log-probs are now two updates behind the policy, so the weights spread on both
+    sides of 1 and some reach the cap; θ_old is the actor's own forward pass in verl. It starts from
+    policies up to 1e-4 apart (the second update's difference), so its metrics agree to 1e-4 absolute
+    rather than 1e-6."""
     samples = _samples(tiny_model)
     reference = TorchTrainingEngine(tiny_model, learning_rate=LR, kl_reference=True)
     before = reference.logprobs(samples, temperature=1.0)
-    for version, config, tol in ((1, FIRST, 1e-5), (2, SECOND, 1e-4)):
+    common = ("loss", "pg_loss", "kl", "clip_frac", "approx_kl", "ratio_mean", "ratio_max")
+    tis = ("tis_weight_mean", "tis_clip_frac")
+    for version, config, tol, near in (
+        (1, FIRST, 1e-5, 1e-6),
+        (2, SECOND, 3e-4, 1e-6),
+        (3, THIRD, 6e-4, 1e-4),
+    ):
         expected = reference.update(samples, config)
         got = verl_engine.update(samples, config)  # type: ignore[attr-defined]
-        for key in (
-            "loss",
-            "pg_loss",
-            "kl",
-            "clip_frac",
-            "approx_kl",
-            "ratio_mean",
-            "ratio_max",
-        ):
-            assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+        for key in common + (tis if config.off_policy_correction == "tis" else ()):
+            assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=near), key
         # a norm over shards summed on two ranks: the same gradient, added up in another order
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-3)
         assert got["optimizer_steps"] == expected["optimizer_steps"]
@@ -147,7 +158,9 @@ def test_one_batch_trains_the_same_under_both_engines(verl_engine: object, tiny_
         want = reference.logprobs(samples, temperature=1.0)
         diff = max(float((a - b).abs().max()) for a, b in zip(want, served, strict=True))
         moved = max(float((a - b).abs().max()) for a, b in zip(want, before, strict=True))
+        print(f"update {version}: max log-prob difference {diff:.2e}, moved {moved:.2f}")
         assert diff < tol < moved, (version, diff, moved)
+    assert 0 < expected["tis_clip_frac"] < 1 and expected["tis_weight_mean"] != pytest.approx(1.0, abs=0.05)
 
 
 def test_a_checkpoint_restores_the_policy(verl_engine: object, tiny_model: Path, tmp_path: Path) -> None:

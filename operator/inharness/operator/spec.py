@@ -603,6 +603,21 @@ class Algorithm(SpecModel):
         "above 1 the policy moves between steps and the clip ratios bound it.",
     )
     ppo_epochs: int = Field(default=1, ge=1, le=64, description="Passes over each step's batch.")
+    off_policy_correction: Literal["bypass", "tis"] = Field(
+        default="bypass",
+        description="How training corrects for samples drawn by another policy than the trained one (the "
+        "inference engine's numerics; versions behind in the async modes). bypass: the PPO ratio is taken "
+        "against the behaviour log-probs the gateway recorded. tis: against the trainer's log-probs at the "
+        "update's start, each token's loss weighed by their ratio to the behaviour log-probs, truncated at "
+        "tisCap (token-level truncated importance sampling; one more forward pass per update).",
+    )
+    tis_cap: float = Field(
+        default=2.0,
+        ge=1,
+        le=1_000,
+        description="offPolicyCorrection tis: the most a token's importance weight may be; a lower cap "
+        "trades variance for bias.",
+    )
     max_tokens_per_sample: int | None = Field(
         default=None, ge=1, description="Longer samples are truncated for training; null: no limit."
     )

@@ -8,17 +8,18 @@ A sample comes from one rollout; a rollout may give several samples (see the ada
 which is why advantages and loss aggregation can be taken per rollout rather than per sample.
 
 Choices are made by name from registries, in verl's manner (``register_adv_est``): the
-TrainingRun's ``advantageEstimator``, ``advantageLevel`` and ``lossNormalization`` name an entry of
-`ADVANTAGE_ESTIMATORS`, `ADVANTAGE_LEVELS` and `LOSS_NORMALIZATIONS`, and `KL_ESTIMATORS` holds the KL
-estimates. A new algorithm is one function registered beside the others; the registries' names are
-the trainer's list of allowed values, checked against the spec's by tests/trainer/test_config.py.
+TrainingRun's ``advantageEstimator``, ``advantageLevel``, ``lossNormalization`` and
+``offPolicyCorrection`` name an entry of `ADVANTAGE_ESTIMATORS`, `ADVANTAGE_LEVELS`,
+`LOSS_NORMALIZATIONS` and `OFF_POLICY_CORRECTIONS`, and `KL_ESTIMATORS` holds the KL estimates. A
+new algorithm is one function registered beside the others; the registries' names are the trainer's
+list of allowed values, checked against the spec's by tests/trainer/test_config.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -95,15 +96,45 @@ class KLEstimatorFn(Protocol):
     def __call__(self, logprobs: Tensor, ref_logprobs: Tensor, *, max_value: float | None) -> Tensor: ...
 
 
+class Correction(NamedTuple):
+    """What an off-policy correction makes of a batch (see `OffPolicyCorrectionFn`)."""
+
+    old_logprobs: Tensor
+    """``[B, T]``: the log-probs the PPO ratio is taken against (`clipped_policy_loss`'s
+    ``behaviour_logprobs``)."""
+    is_weights: Tensor | None
+    """``[B, T]`` detached, 0 off the mask: multiply each token's policy loss; None: no weights."""
+    metrics: dict[str, float]
+    """Token means over the batch's generated tokens."""
+
+
+class OffPolicyCorrectionFn(Protocol):
+    """behaviour_logprobs ``[B, T]`` (μ, recorded by the gateway from the engine that sampled; 0 off the
+    mask), ``policy_logprobs`` (called at most once: the trainer's log-probs ``[B, T]`` of the weights at
+    the update's start, π_θold, 0 off the mask; a correction that does not need them does not pay for
+    the forward pass), mask ``[B, T]`` -> `Correction`."""
+
+    def __call__(
+        self,
+        behaviour_logprobs: Tensor,
+        policy_logprobs: Callable[[], Tensor],
+        mask: Tensor,
+        *,
+        tis_cap: float,
+    ) -> Correction: ...
+
+
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimatorFn] = Registry("advantage estimator")
 ADVANTAGE_LEVELS: Registry[AdvantageLevelFn] = Registry("advantage level")
 LOSS_NORMALIZATIONS: Registry[LossNormalizationFn] = Registry("loss normalization")
 KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry("KL estimator")
+OFF_POLICY_CORRECTIONS: Registry[OffPolicyCorrectionFn] = Registry("off-policy correction")
 
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 register_advantage_level = ADVANTAGE_LEVELS.register
 register_loss_normalization = LOSS_NORMALIZATIONS.register
 register_kl_estimator = KL_ESTIMATORS.register
+register_off_policy_correction = OFF_POLICY_CORRECTIONS.register
 
 
 def _check_1d(name: str, t: Tensor, n: int | None = None) -> None:
@@ -334,15 +365,19 @@ def clipped_policy_loss(
     agg: str = "token",
     rollout_index: Tensor | None = None,
     weights: Tensor | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate, ``max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))`` per
-    token, with ``ratio = exp(logprobs - behaviour_logprobs)``, aggregated by `aggregate_loss`.
+    token, with ``ratio = exp(logprobs - behaviour_logprobs)``, times ``is_weights`` when given,
+    aggregated by `aggregate_loss`.
 
-    logprobs (current policy, with grad), behaviour_logprobs (recorded by the gateway), advantages,
-    mask: ``[B, T]``. ``clip_high > clip_low`` is DAPO's clip-higher (lets unlikely tokens with positive
+    logprobs (current policy, with grad), behaviour_logprobs (the ratio's reference: an off-policy
+    correction's ``old_logprobs``, the gateway's behaviour log-probs in bypass mode), advantages, mask:
+    ``[B, T]``. ``clip_high > clip_low`` is DAPO's clip-higher (lets unlikely tokens with positive
     advantage grow). ``dual_clip=c`` (c > 1) also caps the loss of negative-advantage tokens at
     ``-A * c`` so a huge ratio cannot blow the update up (Dual-clip PPO). Where a clip is active the
-    token's gradient is zero.
+    token's gradient is zero. ``is_weights`` ``[B, T]`` (detached here): per-token importance weights
+    of an off-policy correction (`tis_weights`), applied after the clip as verl applies them.
 
     Metrics (masked means over this batch's generated tokens): ``clip_frac`` (either clip bound active),
     ``clip_frac_low`` / ``clip_frac_high`` (ratio below / above the range), ``dual_clip_frac``,
@@ -353,6 +388,8 @@ def clipped_policy_loss(
         raise ValueError("logprobs, behaviour_logprobs, advantages and mask must have one shape")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if is_weights is not None and is_weights.shape != logprobs.shape:
+        raise ValueError(f"is_weights {list(is_weights.shape)} do not match logprobs {list(logprobs.shape)}")
     log_ratio = (logprobs - behaviour_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
@@ -365,6 +402,8 @@ def clipped_policy_loss(
         loss_mat = torch.where(is_dual, cap, loss_mat)
     else:
         is_dual = torch.zeros_like(is_clipped)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
     loss = aggregate_loss(loss_mat, mask, agg, rollout_index, weights=weights)
 
     with torch.no_grad():
@@ -380,6 +419,77 @@ def clipped_policy_loss(
             "ratio_max": r[on].max().item() if on.any() else 0.0,
         }
     return loss, metrics
+
+
+# --- off-policy correction ---------------------------------------------------------------------------
+
+
+def tis_weights(
+    old_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, *, cap: float = 2.0
+) -> Tensor:
+    """Token-level truncated importance weights ``min(exp(old_logprobs - behaviour_logprobs), cap)``,
+    0 off the mask, detached: ``[B, T]`` float32.
+
+    old_logprobs (π_θold, the trainer's at the update's start), behaviour_logprobs (μ, the engine that
+    sampled), mask: ``[B, T]``. The weight corrects the gradient for tokens drawn from μ rather than
+    π_θold (another engine's numerics, or versions behind in the async modes); the cap bounds its
+    variance, at the price of a bias where μ is much below π_θold. As verl's rollout correction
+    ``rollout_is: token`` with threshold ``cap`` (log ratio clamped to +-20 first)."""
+    if not old_logprobs.shape == behaviour_logprobs.shape == mask.shape:
+        raise ValueError("old_logprobs, behaviour_logprobs and mask must have one shape")
+    if cap < 1.0:
+        raise ValueError(f"the TIS cap must be at least 1, got {cap}")
+    log_ratio = (old_logprobs.detach().float() - behaviour_logprobs.float()).clamp(
+        -_MAX_LOG_RATIO, _MAX_LOG_RATIO
+    )
+    return log_ratio.exp().clamp(max=cap) * mask.to(torch.float32)
+
+
+@register_off_policy_correction("bypass")
+def bypass_correction(
+    behaviour_logprobs: Tensor, policy_logprobs: Callable[[], Tensor], mask: Tensor, *, tis_cap: float = 2.0
+) -> Correction:
+    """The behaviour log-probs are the PPO ratio's reference (``π_θ / μ``): no weights, no forward pass
+    (verl's bypass mode). ``policy_logprobs`` and ``tis_cap`` are unused."""
+    return Correction(behaviour_logprobs, None, {})
+
+
+@register_off_policy_correction("tis")
+def tis_correction(
+    behaviour_logprobs: Tensor, policy_logprobs: Callable[[], Tensor], mask: Tensor, *, tis_cap: float = 2.0
+) -> Correction:
+    """Token-level TIS: the PPO ratio is ``π_θ / π_θold`` (the weights at the update's start), clipped
+    as in bypass mode, and every token's loss is weighed by `tis_weights` ``min(π_θold / μ, tis_cap)``.
+    Metrics: ``tis_weight_mean`` and ``tis_clip_frac`` (tokens whose ratio was above the cap),
+    token means over the generated tokens."""
+    old = policy_logprobs().detach()
+    weights = tis_weights(old, behaviour_logprobs, mask, cap=tis_cap)
+    with torch.no_grad():
+        on = mask.bool()
+        raw = (old - behaviour_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        metrics = {
+            "tis_weight_mean": masked_mean(weights, on).item(),
+            "tis_clip_frac": masked_mean((raw > tis_cap).float(), on).item(),
+        }
+    return Correction(old, weights, metrics)
+
+
+def off_policy_correction(
+    behaviour_logprobs: Tensor,
+    policy_logprobs: Callable[[], Tensor],
+    mask: Tensor,
+    mode: str = "bypass",
+    *,
+    tis_cap: float = 2.0,
+) -> Correction:
+    """The registered correction ``mode`` (`bypass_correction`, `tis_correction`) of a whole update's
+    batch: behaviour_logprobs, mask ``[B, T]``; ``policy_logprobs`` as `OffPolicyCorrectionFn` says.
+    Computed once per update, before any optimizer step, so that θ_old is the same for every
+    mini-batch and epoch."""
+    correct = OFF_POLICY_CORRECTIONS.get(mode)
+    if behaviour_logprobs.shape != mask.shape:
+        raise ValueError("behaviour_logprobs and mask must have one shape")
+    return correct(behaviour_logprobs, policy_logprobs, mask, tis_cap=tis_cap)
 
 
 # --- KL ----------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 A field of the trainer's configuration that a TrainingRun sets is named as the spec names it, in snake
 case (``spec.algorithm.clipRatioHigh`` is `UpdateConfig.clip_ratio_high`), and has the spec's default.
 The values a choice may take are the names registered in `inharness.trainer.algorithms`
-(`ADVANTAGE_ESTIMATORS`, `ADVANTAGE_LEVELS`, `LOSS_NORMALIZATIONS`). tests/trainer/test_config.py
-checks all three against operator/spec.py, so the vocabularies cannot drift apart again.
+(`ADVANTAGE_ESTIMATORS`, `ADVANTAGE_LEVELS`, `LOSS_NORMALIZATIONS`, `OFF_POLICY_CORRECTIONS`).
+tests/trainer/test_config.py checks all four against operator/spec.py, so the vocabularies cannot
+drift apart again.
 
 `loop_config` and `load_policy` are where a spec becomes the trainer: `inharness run` (one machine)
 and `inharness train` (the cluster's trainer pod) both call them.
@@ -18,7 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inharness.trainer.algorithms import ADVANTAGE_ESTIMATORS, ADVANTAGE_LEVELS, LOSS_NORMALIZATIONS
+from inharness.trainer.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_LEVELS,
+    LOSS_NORMALIZATIONS,
+    OFF_POLICY_CORRECTIONS,
+)
 
 if TYPE_CHECKING:
     from inharness.operator.spec import TrainingRunSpec
@@ -32,6 +38,7 @@ _CHOICES = {
     "advantage_estimator": ADVANTAGE_ESTIMATORS,
     "advantage_level": ADVANTAGE_LEVELS,
     "loss_normalization": LOSS_NORMALIZATIONS,
+    "off_policy_correction": OFF_POLICY_CORRECTIONS,
 }
 
 
@@ -53,7 +60,10 @@ class UpdateConfig:
     ``lr / lr_warmup_steps`` at the first to the engine's ``learning_rate``; 0: the full rate at once.
     AdamW's first steps move every weight by about the learning rate whatever its gradient's size (the
     second-moment estimate has seen a few gradients only), which can break a small policy's format in one
-    update; the ramp lets that estimate fill before the steps get large.
+    update; the ramp lets that estimate fill before the steps get large. ``off_policy_correction``: what
+    the PPO ratio is taken against (`algorithms.OFF_POLICY_CORRECTIONS`): ``bypass``, the gateway's
+    behaviour log-probs; ``tis``, the trainer's log-probs at the update's start, each token's loss
+    weighed by their ratio to the behaviour log-probs truncated at ``tis_cap`` (`algorithms.tis_weights`).
 
     ``temperature``: ``spec.generation.temperature``, the *sampling* temperature, so that training
     logprobs are the behaviour logprobs' quantity (0, greedy, means temperature-1 logits, as in the
@@ -72,6 +82,8 @@ class UpdateConfig:
     ppo_mini_batches: int = 1
     ppo_epochs: int = 1
     lr_warmup_steps: int = 0
+    off_policy_correction: str = "bypass"
+    tis_cap: float = 2.0
     temperature: float = 1.0
     max_tokens_per_microbatch: int = 4096
 
@@ -95,6 +107,8 @@ class UpdateConfig:
             raise ValueError("ppo_mini_batches and ppo_epochs must be at least 1")
         if self.lr_warmup_steps < 0:
             raise ValueError("lr_warmup_steps must be non-negative")
+        if not self.tis_cap >= 1:
+            raise ValueError(f"tis_cap must be at least 1, got {self.tis_cap}")
 
 
 _NOT_ALGORITHM = ("temperature", "max_tokens_per_microbatch")

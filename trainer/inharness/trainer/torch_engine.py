@@ -54,6 +54,7 @@ from inharness.trainer.algorithms import (
     clipped_policy_loss,
     kl_penalty,
     loss_weights,
+    off_policy_correction,
     split_by_rollout,
     token_advantages,
     token_entropy,
@@ -193,13 +194,17 @@ _TOKEN_MEANS = ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl", "ra
 
 @dataclass(frozen=True)
 class _Batch:
-    """One update's samples with their target-space tensors (``[B, W - 1]``), computed once."""
+    """One update's samples with their target-space tensors (``[B, W - 1]``), computed once: ``old`` is
+    the PPO ratio's reference and ``is_weights`` the per-token loss weights (or None) of the off-policy
+    correction (`algorithms.off_policy_correction`)."""
 
     samples: Sequence[Sample]
     mask: Tensor
     behaviour: Tensor
     advantages: Tensor
     sample_rollout: Tensor
+    old: Tensor
+    is_weights: Tensor | None
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -332,9 +337,12 @@ class TorchTrainingEngine:
         with one) and ``grad_norm`` (before clipping), means over the optimizer steps; token means over
         every generated token of every mini-batch pass, each measured just before its step:
         ``entropy`` (of the temperature-scaled next-token distribution), ``clip_frac``
-        (``_low``/``_high``), ``approx_kl`` (behaviour vs current), ``ratio_mean``, and ``ratio_max``,
+        (``_low``/``_high``), ``approx_kl`` (ratio reference vs current), ``ratio_mean``, and ``ratio_max``,
         ``logprob_mismatch`` (mean abs difference between current and behaviour logprobs: ~0 on freshly
         served weights with one step per batch, growing with policy lag and with later mini-batches).
+        With ``off_policy_correction`` ``tis`` the ratio is to the weights at the update's start (their
+        log-probs computed once, before the first step) and ``tis_weight_mean`` / ``tis_clip_frac`` are
+        token means over the batch (see `algorithms.tis_correction`).
         ``advantage_mean`` / ``advantage_std`` are over samples with generated tokens; ``tokens``,
         ``samples``, ``microbatches``, ``optimizer_steps``, ``step`` are counts; ``lr`` is the learning
         rate of the last optimizer step (see ``lr_warmup_steps``). A batch without any
@@ -365,7 +373,22 @@ class TorchTrainingEngine:
         )
         active = [i for i in range(len(samples)) if mask[i].any()]
         per_sample_adv = advantages[active].sum(dim=1) / mask[active].sum(dim=1)
-        batch = _Batch(samples, mask, behaviour, advantages, sample_rollout)
+        correction = off_policy_correction(
+            behaviour,
+            lambda: self._old_logprobs(samples, active, mask, config),
+            mask,
+            config.off_policy_correction,
+            tis_cap=config.tis_cap,
+        )
+        batch = _Batch(
+            samples,
+            mask,
+            behaviour,
+            advantages,
+            sample_rollout,
+            old=correction.old_logprobs,
+            is_weights=correction.is_weights,
+        )
 
         sums = dict.fromkeys(
             ("pg_loss", "kl", "grad_norm", "entropy", "logprob_mismatch", *_TOKEN_MEANS), 0.0
@@ -407,12 +430,28 @@ class TorchTrainingEngine:
             "optimizer_steps": float(n_steps_taken),
             "step": float(self.step),
             "lr": self.lr_at(max(self.step - 1, 0), config),
+            **correction.metrics,
         }
         for key in ("entropy", "logprob_mismatch", *_TOKEN_MEANS):
             metrics[key] = sums[key] / scored
         if self.reference is not None:
             metrics["kl"] = sums["kl"] / n_steps
         return metrics
+
+    def _old_logprobs(
+        self, samples: Sequence[Sample], rows: list[int], mask: Tensor, config: UpdateConfig
+    ) -> Tensor:
+        """The current policy's logprobs ``[B, W - 1]`` in target space (0 off ``mask``), of the samples
+        ``rows`` (the others, without generated tokens, are not run), without gradient."""
+        old = torch.zeros_like(mask)
+        lps = self.logprobs(
+            [samples[i] for i in rows],
+            temperature=config.temperature,
+            max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+        )
+        for i, lp in zip(rows, lps, strict=True):
+            old[i, : lp.shape[0]] = lp
+        return old * mask
 
     def _optimizer_step(
         self, batch: _Batch, rows: list[int], config: UpdateConfig, *, apply: bool = True
@@ -435,15 +474,23 @@ class TorchTrainingEngine:
         ):
             idx = torch.tensor([rows[r] for r in local_rows], dtype=torch.long)
             cols = ids.shape[1] - 1
-            m, beh, adv, w = (
+            m, beh, old, adv, w = (
                 t[idx, :cols].to(self.device)
-                for t in (batch.mask, batch.behaviour, batch.advantages, weights)
+                for t in (batch.mask, batch.behaviour, batch.old, batch.advantages, weights)
             )
+            is_w = None if batch.is_weights is None else batch.is_weights[idx, :cols].to(self.device)
             n_tok = float(m.sum().item())
             with torch.set_grad_enabled(apply):
                 lp, entropy = self._forward(self.model, ids, lengths, config.temperature, m.bool())
             pg, pg_metrics = clipped_policy_loss(
-                lp, beh, adv, m, clip_low=config.clip_ratio_low, clip_high=config.clip_ratio_high, weights=w
+                lp,
+                old,
+                adv,
+                m,
+                clip_low=config.clip_ratio_low,
+                clip_high=config.clip_ratio_high,
+                weights=w,
+                is_weights=is_w,
             )
             loss = pg
             if self.reference is not None:

@@ -12,10 +12,11 @@ Tensors (``B`` samples; ``P``/``R`` the longest prompt/response):
 - ``input_ids`` ``[B, P + R]`` = prompts ‖ responses; ``attention_mask`` ``[B, P + R]`` 1 on real
   tokens; ``position_ids`` ``[B, P + R]`` 0.. over real tokens (0 on padding);
 - ``response_mask`` ``[B, R]`` float, the sample's loss mask; ``old_log_probs`` ``[B, R]``, the
-  behaviour log-probs the gateway recorded (verl's "bypass" mode: the engine that sampled is the
-  reference of the importance ratio, as in the torch engine);
-- ``advantages`` and ``loss_weights`` ``[B, R]`` float, as the torch engine computes them
-  (`inharness.trainer.algorithms`).
+  reference of the importance ratio: by default the behaviour log-probs the gateway recorded (verl's
+  "bypass" mode, as in the torch engine), for training the off-policy correction's
+  (`algorithms.off_policy_correction`: with ``tis``, the actor's log-probs at the update's start);
+- ``advantages``, ``loss_weights`` and, with a correction that weighs tokens, ``rollout_is_weights``
+  (verl's name) ``[B, R]`` float, as the torch engine computes them (`inharness.trainer.algorithms`).
 
 `to_samples` is the inverse, so tests can check that the conversion loses nothing.
 """
@@ -41,9 +42,12 @@ def to_batch(
     *,
     advantages: torch.Tensor | None = None,
     loss_weights: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> TensorDict:
     """The padded batch of ``samples``; ``advantages`` / ``loss_weights`` ``[B, R]`` in response space
-    (see `response_space`) when the batch is for training."""
+    (see `response_space`) when the batch is for training, ``old_log_probs`` ``[B, R]`` in place of the
+    behaviour log-probs and ``rollout_is_weights`` ``[B, R]`` when an off-policy correction gives them."""
     if not samples:
         raise ValueError("a verl batch needs at least one sample")
     b = len(samples)
@@ -53,7 +57,7 @@ def to_batch(
     responses = torch.full((b, r), PAD, dtype=torch.long)
     attention = torch.zeros((b, p + r), dtype=torch.long)
     response_mask = torch.zeros((b, r), dtype=torch.float32)
-    old_log_probs = torch.zeros((b, r), dtype=torch.float32)
+    behaviour = torch.zeros((b, r), dtype=torch.float32)
     for i, s in enumerate(samples):
         n, m = s.num_prompt_tokens, response_length(s)
         if n < 1:
@@ -62,7 +66,7 @@ def to_batch(
         responses[i, :m] = torch.tensor(s.input_ids[n:])
         attention[i, p - n : p + m] = 1
         response_mask[i, :m] = torch.tensor(s.loss_mask[n:], dtype=torch.float32)
-        old_log_probs[i, :m] = torch.tensor(s.behaviour_logprobs[n:], dtype=torch.float32)
+        behaviour[i, :m] = torch.tensor(s.behaviour_logprobs[n:], dtype=torch.float32)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0) * attention
     tensors = {
         "prompts": prompts,
@@ -71,9 +75,15 @@ def to_batch(
         "attention_mask": attention,
         "position_ids": position_ids,
         "response_mask": response_mask,
-        "old_log_probs": old_log_probs,
+        "old_log_probs": behaviour,
     }
-    for name, t in (("advantages", advantages), ("loss_weights", loss_weights)):
+    optional = {
+        "advantages": advantages,
+        "loss_weights": loss_weights,
+        "old_log_probs": old_log_probs,
+        "rollout_is_weights": rollout_is_weights,
+    }
+    for name, t in optional.items():
         if t is not None:
             if t.shape != (b, r):
                 raise ValueError(f"{name} must have shape {[b, r]}, got {list(t.shape)}")

@@ -7,8 +7,11 @@ the engine keeps verl for what it is good at, sharded training on many devices. 
 1. advantages over the whole batch and loss weights per mini-batch, by the spec's registered
    algorithms (`inharness.trainer.algorithms`), exactly as the torch engine computes them;
 2. the samples as verl's padded batch (`data.to_batch`), unpadded by verl's ``left_right_2_no_padding``
-   as its trainer does, with the gateway's behaviour log-probs as ``old_log_probs``;
-3. the reference model's log-probs (``kl_coef > 0``) from a second worker group;
+   as its trainer does, with the off-policy correction's reference as ``old_log_probs``: the gateway's
+   behaviour log-probs (``bypass``) or the actor's own log-probs at the update's start (``tis``, by
+   ``compute_log_prob``, once per update), and with ``tis`` its token weights as
+   ``rollout_is_weights`` (`algorithms.off_policy_correction`);
+3. the reference model's log-probs (``kl_coef > 0``) from a second worker group, once per update;
 4. one ``update_actor`` call per mini-batch of whole rollouts (`samples.split_by_rollout`), the
    loss being `losses.policy_loss`; micro-batches packed by token budget (verl's dynamic batch size).
 
@@ -25,6 +28,7 @@ import dataclasses
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from functools import partial
 from importlib import resources
 from pathlib import Path
@@ -32,7 +36,13 @@ from typing import Any
 
 import torch
 
-from inharness.trainer.algorithms import loss_weights, split_by_rollout, token_advantages
+from inharness.trainer.algorithms import (
+    Correction,
+    loss_weights,
+    off_policy_correction,
+    split_by_rollout,
+    token_advantages,
+)
 from inharness.trainer.config import UpdateConfig
 from inharness.trainer.samples import Sample, index_rollouts
 from inharness.trainer.verl_engine import checkpoint_files, cpu_platform, data, losses
@@ -181,6 +191,9 @@ class VerlTrainingEngine:
         if not ray.is_initialized():
             # verl's bundles ask for CPUs per worker: enough logical CPUs for two groups of workers.
             ray.init(
+                # a Ray of its own: without an address, ray.init joins whatever cluster this machine
+                # started last (another run's, a test's), which refuses num_cpus
+                address="local",
                 num_cpus=max(4 * self.world_size, os.cpu_count() or 1),
                 include_dashboard=False,
                 log_to_driver=False,  # worker errors still reach the driver, as exceptions
@@ -217,7 +230,7 @@ class VerlTrainingEngine:
         """``ppo_epochs * ppo_mini_batches`` optimizer steps on the batch, as `TorchTrainingEngine.update`
         takes them (same advantages, weights, mini-batches of whole rollouts, shuffle); returns the
         metrics both engines report (``loss``, ``pg_loss``, ``grad_norm``, the clip and ratio token
-        means, ``kl`` with a reference, counts)."""
+        means, ``kl`` with a reference, the off-policy correction's, counts)."""
         if not samples:
             raise ValueError("update needs at least one sample")
         built = self.update_config
@@ -262,14 +275,28 @@ class VerlTrainingEngine:
             if learn
             else []
         )
-        reference = self._reference_log_probs(samples, config) if learn and self.ref is not None else None
+        correction = self._correction(samples, config)
+        reference = None
+        if learn and self.ref is not None:
+            reference = self._log_probs(self.ref.compute_ref_log_prob, samples, config)
+        # response-space [B, R] tensors of the whole update, each mini-batch takes its rows
+        whole = {
+            "old_log_probs": correction.old_logprobs,
+            "rollout_is_weights": correction.is_weights,
+            "ref_log_prob": reference,
+        }
         sums: dict[str, float] = {}
         ratio_max, steps = 0.0, 0
         for mini_batches in passes:
             for rows in mini_batches:
+                part = [samples[i] for i in rows]
                 weights = loss_weights(mask[rows], config.loss_normalization, sample_rollout[rows])
-                ref = None if reference is None else reference[rows]
-                out = self._mini_batch([samples[i] for i in rows], advantages[rows], weights, ref, config)
+                per_token = {
+                    "advantages": data.response_space(advantages[rows], part),
+                    "loss_weights": data.response_space(weights, part),
+                    **{name: t[rows] for name, t in whole.items() if t is not None},
+                }
+                out = self._mini_batch(part, per_token, config)
                 for key, value in out.items():
                     if key == "ratio_max":
                         ratio_max = max(ratio_max, value)
@@ -287,6 +314,7 @@ class VerlTrainingEngine:
             "samples": float(len(samples)),
             "tokens": float(mask.sum()),
             "lr": self.lr_at(self.step - 1, config) if steps else 0.0,
+            **correction.metrics,
         }
         for key in losses.METRICS:
             metrics[key] = sums.get(f"{key}_sum", 0.0) / tokens if tokens else 0.0
@@ -300,9 +328,29 @@ class VerlTrainingEngine:
             return self.learning_rate
         return self.learning_rate * min(1.0, (step + 1) / config.lr_warmup_steps)
 
-    def _reference_log_probs(self, samples: list[Sample], config: UpdateConfig) -> torch.Tensor:
-        """The reference model's response log-probs ``[B, R]`` of the whole batch, once per update (every
-        mini-batch and epoch takes its rows from it)."""
+    def _correction(self, samples: list[Sample], config: UpdateConfig) -> Correction:
+        """The spec's off-policy correction of the whole batch, in response space ``[B, R]``, once per
+        update: ``tis`` runs the actor forward (``compute_log_prob``) before any optimizer step."""
+        batch = data.to_batch(samples)
+        mask = batch["response_mask"]
+
+        def actor_log_probs() -> torch.Tensor:
+            return self._log_probs(self.actor.compute_log_prob, samples, config) * mask
+
+        return off_policy_correction(
+            batch["old_log_probs"] * mask,
+            actor_log_probs,
+            mask,
+            config.off_policy_correction,
+            tis_cap=config.tis_cap,
+        )
+
+    def _log_probs(
+        self, compute: Callable[[Any], Any], samples: list[Sample], config: UpdateConfig
+    ) -> torch.Tensor:
+        """Response log-probs ``[B, R]`` of the whole batch by a worker group's forward-only ``compute``
+        (the reference group's ``compute_ref_log_prob``, the actor's ``compute_log_prob``), once per
+        update (every mini-batch and epoch takes its rows from them)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
@@ -312,38 +360,29 @@ class VerlTrainingEngine:
         tu.assign_non_tensor(
             unpadded, temperature=config.temperature or 1.0, calculate_entropy=False, compute_loss=False
         )
-        out = self.ref.compute_ref_log_prob(unpadded)
+        out = compute(unpadded)
         # log-probs of every token of each sequence, unpadded: verl cuts out the responses'
         return no_padding_2_padding(tu.get(out, "log_probs"), batch)[: len(samples)]
 
     def _mini_batch(
-        self,
-        rows: list[Sample],
-        advantages: torch.Tensor,
-        weights: torch.Tensor,
-        reference: torch.Tensor | None,
-        config: UpdateConfig,
+        self, rows: list[Sample], per_token: dict[str, torch.Tensor], config: UpdateConfig
     ) -> dict[str, float]:
-        """One optimizer step on ``rows``; padded with zero-weight copies of the first row to a multiple
-        of the data-parallel size (verl splits a batch evenly over its ranks; such a row adds nothing)."""
+        """One optimizer step on ``rows`` with their response-space tensors ``[len(rows), >= R]`` by
+        name (`data.to_batch`'s and ``ref_log_prob``); padded with zero-weight copies of the first row
+        to a multiple of the data-parallel size (verl splits a batch evenly over its ranks; such a row
+        adds nothing)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import left_right_2_no_padding
 
         pad = (-len(rows)) % self.world_size
         rows = rows + [_no_loss(rows[0])] * pad
-        advantages = torch.cat([advantages, torch.zeros((pad, advantages.shape[1]))])
-        weights = torch.cat([weights, torch.zeros((pad, weights.shape[1]))])
-        batch = data.to_batch(
-            rows,
-            advantages=data.response_space(advantages, rows),
-            loss_weights=data.response_space(weights, rows),
-        )
-        temperature = config.temperature or 1.0
+        width = max(max(data.response_length(s) for s in rows), 1)
+        fitted = {name: _fit(t, len(rows), width) for name, t in per_token.items()}
+        reference = fitted.pop("ref_log_prob", None)
+        batch = data.to_batch(rows, **fitted)
         if reference is not None:
-            width = batch["responses"].shape[1]
-            ref = torch.zeros((len(rows), width))
-            ref[: reference.shape[0]] = reference[:, :width]
-            batch["ref_log_prob"] = ref
+            batch["ref_log_prob"] = reference
+        temperature = config.temperature or 1.0
         batch = left_right_2_no_padding(batch)
         tu.assign_non_tensor(
             batch,
@@ -396,6 +435,14 @@ class VerlTrainingEngine:
 def _no_loss(sample: Sample) -> Sample:
     """A copy of ``sample`` that trains nothing: it pads a batch to a multiple of the ranks."""
     return dataclasses.replace(sample, loss_mask=[0] * len(sample.loss_mask))
+
+
+def _fit(t: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``t`` ``[n, >= width]`` (``n <= rows``) as ``[rows, width]`` float32: its first ``width`` columns
+    (responses are right-padded), zero rows for the padding rows after it."""
+    out = torch.zeros((rows, width), dtype=torch.float32)
+    out[: t.shape[0]] = t[:, :width]
+    return out
 
 
 def _flat_metrics(metrics: dict[str, Any]) -> dict[str, float]:

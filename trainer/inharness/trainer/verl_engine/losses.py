@@ -5,7 +5,9 @@
   `config.KL_ESTIMATOR` KL, both weighed by the ``loss_weights`` the driver computed for the whole
   mini-batch (`algorithms.loss_weights`: token, sample or rollout normalisation), exactly as the torch
   engine weighs them. verl's own aggregation modes cannot express rollout normalisation, and its
-  ``ppo_loss`` reads no per-token weights, hence our function rather than a ``loss_agg_mode``.
+  ``ppo_loss`` reads no per-token weights, hence our function rather than a ``loss_agg_mode``. The
+  ratio is to ``old_log_probs``, and a batch with ``rollout_is_weights`` (an off-policy correction's,
+  `algorithms.tis_weights`) has every token's policy loss multiplied by them, as in the torch engine.
 - `register_estimators`: the advantage estimators of `algorithms.ADVANTAGE_ESTIMATORS` in verl's
   ``register_adv_est`` under ``inharness_<name>``, so a verl trainer configured with them computes
   what ours does (the driver computes advantages itself and needs no lookup).
@@ -54,19 +56,22 @@ def policy_loss(
     fields = ["response_mask", "old_log_probs", "advantages", "loss_weights"]
     if kl_coef > 0:
         fields.append("ref_log_prob")
+    if "rollout_is_weights" in data:
+        fields.append("rollout_is_weights")
     dp_size = int(data["dp_size"])
     padded = data.select(*fields).to_padded_tensor()
     mask = padded["response_mask"].to(log_prob.dtype)
-    behaviour = padded["old_log_probs"] * mask
+    old = padded["old_log_probs"] * mask
     weights = padded["loss_weights"]
     loss, pg_metrics = clipped_policy_loss(
         log_prob,
-        behaviour,
+        old,
         padded["advantages"],
         mask,
         clip_low=clip_low,
         clip_high=clip_high,
         weights=weights,
+        is_weights=padded["rollout_is_weights"] if "rollout_is_weights" in fields else None,
     )
     terms = {"pg_loss": loss.detach()}
     if kl_coef > 0:
