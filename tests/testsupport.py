@@ -34,7 +34,7 @@ def gateway_server(
 ) -> ServerProcess:
     port = free_port()
     args = ["gateway", "--model", str(model_dir), "--store", f"sqlite:///{db}", "--port", str(port)]
-    args += ["--admin-token", admin_token]
+    args += [f"--admin-token={admin_token}"]  # "=": a random token may start with "-"
     for e in engines:
         args += ["--engine", e]
     return ServerProcess.inharness(

@@ -308,7 +308,7 @@ async def test_emulator_progress_from_a_real_gateway_reaches_status_and_completi
     secret = c.get("v1/secrets", "calc-gateway")
     token = base64.b64decode(secret["data"]["admin-token"]).decode()  # type: ignore[index]
     args = ["gateway", "--model", str(tiny_model), "--store", f"sqlite:///{tmp_path / 'gw.db'}"]
-    args += ["--port", str(gateway_port), "--admin-token", token]
+    args += ["--port", str(gateway_port), f"--admin-token={token}"]  # "=": it may start with "-"
     gw = ServerProcess.inharness(args, port=gateway_port, log=tmp_path / "gateway.log", health="/healthz")
     await asyncio.to_thread(gw.spawn().wait_healthy)
     try:
