@@ -44,7 +44,7 @@ from inharness.trainer.algorithms import (
     token_advantages,
 )
 from inharness.trainer.config import UpdateConfig
-from inharness.trainer.samples import Sample, index_rollouts
+from inharness.trainer.samples import RolloutIndex, Sample, index_rollouts
 from inharness.trainer.verl_engine import checkpoint_files, cpu_platform, data, losses
 
 log = logging.getLogger("inharness.trainer.verl")
@@ -81,7 +81,8 @@ def worker_config(
     (``update.max_tokens_per_microbatch``) and the checkpoint backend.
 
     The warm-up is verl's cosine schedule with no cycles, counted from 1: ``lr * min(1, (s + 1) / W)``
-    at optimizer step ``s``, the torch engine's ramp (verl's constant schedule starts at 0 instead)."""
+    at optimizer step ``s``, the torch engine's ramp (verl's constant schedule starts at 0 instead).
+    Long because it is one flat list of settings, each beside the reason it has that value."""
     from omegaconf import OmegaConf, open_dict
 
     root = _base_config()
@@ -230,7 +231,10 @@ class VerlTrainingEngine:
         """``ppo_epochs * ppo_mini_batches`` optimizer steps on the batch, as `TorchTrainingEngine.update`
         takes them (same advantages, weights, mini-batches of whole rollouts, shuffle); returns the
         metrics both engines report (``loss``, ``pg_loss``, ``grad_norm``, the clip and ratio token
-        means, ``kl`` with a reference, the off-policy correction's, counts)."""
+        means, ``kl`` with a reference, the off-policy correction's, counts).
+
+        Long because the mini-batch loop shares the update's whole-batch tensors and metric sums, as in
+        the torch engine's `update`."""
         if not samples:
             raise ValueError("update needs at least one sample")
         built = self.update_config
@@ -239,23 +243,8 @@ class VerlTrainingEngine:
                 raise ValueError(f"{name} is fixed when the verl workers start ({getattr(built, name)})")
         if config.kl_coef > 0 and self.ref is None:
             raise ValueError("kl_coef > 0 needs an engine built with kl_reference=True")
-        index = index_rollouts(samples)
+        index, mask, advantages = _outcome_advantages(samples, config)
         sample_rollout = torch.tensor(index.sample_rollout, dtype=torch.long)
-        width = max(len(s.input_ids) for s in samples)
-        mask = torch.zeros((len(samples), width), dtype=torch.float32)
-        for i, s in enumerate(samples):
-            mask[i, 1 : len(s.loss_mask)] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
-        if not mask.any():
-            raise ValueError("the batch has no generated tokens to train on")
-        advantages = token_advantages(
-            torch.tensor(index.rewards, dtype=torch.float32),
-            torch.tensor(index.group_index, dtype=torch.long),
-            sample_rollout,
-            mask,
-            level=config.advantage_level,
-            estimator=config.advantage_estimator,
-            norm_by_std=config.normalize_by_std,
-        )
         active = [i for i in range(len(samples)) if mask[i].any()]
         learn = config.kl_coef > 0 or bool(advantages.abs().max() > 0)
         self.actor.set_loss_fn(
@@ -304,22 +293,15 @@ class VerlTrainingEngine:
                         sums[key] = sums.get(key, 0.0) + value
                 steps += 1
                 self.step += 1
-        tokens = sums.get("tokens", 0.0)
         metrics = {
-            "loss": (sums.get("pg_loss", 0.0) + config.kl_coef * sums.get("kl", 0.0)) / max(steps, 1),
-            "pg_loss": sums.get("pg_loss", 0.0) / max(steps, 1),
-            "grad_norm": sums.get("grad_norm", 0.0) / max(steps, 1),
-            "ratio_max": ratio_max,
+            **_mean_metrics(sums, steps, ratio_max, kl=self.ref is not None),
             "optimizer_steps": float(steps),
             "samples": float(len(samples)),
             "tokens": float(mask.sum()),
             "lr": self.lr_at(self.step - 1, config) if steps else 0.0,
             **correction.metrics,
         }
-        for key in losses.METRICS:
-            metrics[key] = sums.get(f"{key}_sum", 0.0) / tokens if tokens else 0.0
-        if self.ref is not None:
-            metrics["kl"] = sums.get("kl", 0.0) / max(steps, 1)
+        metrics["loss"] = metrics["pg_loss"] + config.kl_coef * metrics.get("kl", 0.0)
         return metrics
 
     def lr_at(self, step: int, config: UpdateConfig) -> float:
@@ -430,6 +412,46 @@ class VerlTrainingEngine:
         if ray.is_initialized():
             ray.shutdown()
         shutil.rmtree(self.weights_root / ".tmp", ignore_errors=True)
+
+
+def _outcome_advantages(
+    samples: list[Sample], config: UpdateConfig
+) -> tuple[RolloutIndex, torch.Tensor, torch.Tensor]:
+    """(rollout index, loss mask ``[B, T]`` over input positions, advantages ``[B, T]``) of the batch,
+    by the spec's registered estimator and level, as the torch engine computes them."""
+    index = index_rollouts(samples)
+    width = max(len(s.input_ids) for s in samples)
+    mask = torch.zeros((len(samples), width), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        mask[i, 1 : len(s.loss_mask)] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
+    if not mask.any():
+        raise ValueError("the batch has no generated tokens to train on")
+    advantages = token_advantages(
+        torch.tensor(index.rewards, dtype=torch.float32),
+        torch.tensor(index.group_index, dtype=torch.long),
+        torch.tensor(index.sample_rollout, dtype=torch.long),
+        mask,
+        level=config.advantage_level,
+        estimator=config.advantage_estimator,
+        norm_by_std=config.normalize_by_std,
+    )
+    return index, mask, advantages
+
+
+def _mean_metrics(sums: dict[str, float], steps: int, ratio_max: float, *, kl: bool) -> dict[str, float]:
+    """Per optimizer step means of the loss terms, token means of `losses.METRICS` (summed by the
+    workers, see `losses.policy_loss`)."""
+    n, tokens = max(steps, 1), sums.get("tokens", 0.0)
+    out = {
+        "pg_loss": sums.get("pg_loss", 0.0) / n,
+        "grad_norm": sums.get("grad_norm", 0.0) / n,
+        "ratio_max": ratio_max,
+    }
+    for key in losses.METRICS:
+        out[key] = sums.get(f"{key}_sum", 0.0) / tokens if tokens else 0.0
+    if kl:
+        out["kl"] = sums.get("kl", 0.0) / n
+    return out
 
 
 def _no_loss(sample: Sample) -> Sample:
