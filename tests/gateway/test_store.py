@@ -1,18 +1,40 @@
-"""The store's rollout queue on a real SQLite file: leases, requeues, stale completions, export."""
+"""The store's rollout queue on a real SQLite file and on a real PostgreSQL 15 server: leases, requeues,
+stale completions, export; and its migrations: a new store, and stores made before the migration list."""
 
 import asyncio
+import itertools
+import sqlite3
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from postgres_server import postgres_fixture, postgres_url_fixture  # noqa: F401 (the fixtures)
+from pydantic import ValidationError
+from sqlalchemy import Connection, inspect, text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from inharness.gateway import schema
-from inharness.gateway.store import CallRecord, Conflict, Store
+from inharness.gateway.codec import pack_ids, pack_logprobs
+from inharness.gateway.settings import GatewaySettings
+from inharness.gateway.store import CallRecord, Conflict, SchemaTooNew, Store
+from inharness.gateway.store.migrations import LATEST, MIGRATIONS
+from inharness.gateway.store.store import store_url
+from inharness.gateway.store.tables import metadata
+
+
+@pytest.fixture(params=["sqlite", "postgresql"], name="url")
+def url_fixture(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A new store's URL on each backend: a file, or a database of its own on the session's server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'gw.db'}"
+    return request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> Store:
-    s = await Store.open(f"sqlite:///{tmp_path / 'gw.db'}")
+async def store(url: str) -> AsyncIterator[Store]:
+    s = await Store.open(url)
     yield s
     await s.close()
 
@@ -276,27 +298,304 @@ async def test_hold_takes_more_ids_than_one_statement_binds(store: Store) -> Non
     assert await store.unhold(ids) == 1200 and await store.count_rollouts("queued") == 1200
 
 
-async def test_a_store_made_before_the_notes_column_gains_it(tmp_path: Path) -> None:
-    import sqlite3
+# --- continuations: stored as their new prompt ids ------------------------------------------------------
 
-    from sqlalchemy import create_engine
 
-    from inharness.gateway.store.tables import metadata
+def _turn(
+    attempt: schema.ClaimedAttempt,
+    n: int,
+    prompt: list[int],
+    parent: CallRecord | None,
+    *,
+    reused: bool = True,
+) -> CallRecord:
+    """Call `n` of a conversation: `prompt` (whole), a 20-id response of its own, extending `parent`."""
+    rec = _record(attempt, n)
+    rec.prompt_ids, rec.response_ids = prompt, [n * 1000 + i for i in range(20)]
+    rec.response_logprobs = [-0.1] * 20
+    rec.parent_call_id = None if parent is None else parent.id
+    rec.prefix_reused = parent is not None and reused
+    return rec
 
-    db = tmp_path / "old.db"
-    engine = create_engine(f"sqlite:///{db}")
-    metadata.create_all(engine)
-    engine.dispose()
-    with sqlite3.connect(db) as conn:  # the calls table as the first stores had it
-        conn.execute("ALTER TABLE calls DROP COLUMN notes")
-    store = await Store.open(f"sqlite:///{db}")
+
+async def _stored(url: str) -> dict[int, tuple[int, int | None]]:
+    """Per call id: (bytes of its stored prompt ids, its prompt_prefix), as the database holds them."""
+    engine = create_async_engine(store_url(url))
     try:
-        await store.create_rollouts(schema.CreateRollouts(tasks=["a"]), default_max_attempts=1)
-        attempt = await store.claim("default", 60)
-        assert attempt is not None
-        noted = _record(attempt, 1)
-        noted.notes = ["tools[1] of type 'web_search' is left out of the prompt"]
-        await store.record_calls([_record(attempt, 0), noted])
-        assert [c.notes for c in await store.list_calls(attempt.id)] == [[], noted.notes]
+        async with engine.connect() as conn:
+            rows = await conn.execute(text("SELECT id, length(prompt_ids), prompt_prefix FROM calls"))
+            return {r[0]: (r[1], r[2]) for r in rows}
+    finally:
+        await engine.dispose()
+
+
+async def test_a_continuation_stores_only_its_new_prompt_ids_and_every_read_gives_the_whole_prompt(
+    store: Store, url: str
+) -> None:
+    await store.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=1)
+    attempt = await store.claim("default", 60)
+    chain: list[CallRecord] = []
+    prompt = list(range(5000, 6000))  # a long first context
+    for n in range(6):
+        rec = _turn(attempt, n, prompt, chain[-1] if chain else None)
+        await store.record_calls([rec])
+        chain.append(rec)
+        prompt = rec.prompt_ids + rec.response_ids + [n] * 30  # the next turn adds 30 ids
+    # Two choices of one request extend the same parent; a prompt claimed reused that is not (its
+    # ids do not continue the parent's) is kept whole.
+    fan = [_turn(attempt, 10 + i, prompt, chain[-1]) for i in range(2)]
+    odd = _turn(attempt, 20, [7] * 50 + prompt, chain[-1])
+    redo = _turn(attempt, 21, prompt, chain[-1], reused=False)
+    await store.record_calls([*fan, odd, redo])
+    records = [*chain, *fan, odd, redo]
+
+    stored = await _stored(url)
+    assert stored[chain[0].id] == (4 * 1000, None)
+    for parent, child in itertools.pairwise(chain):
+        assert stored[child.id] == (4 * 30, len(parent.prompt_ids) + 20)
+    assert [stored[r.id] for r in fan] == [(4 * 30, len(chain[-1].prompt_ids) + 20)] * 2
+    assert stored[odd.id] == (4 * len(odd.prompt_ids), None) and stored[redo.id] == (4 * len(prompt), None)
+
+    listed = await store.list_calls(attempt.id, bodies=False)
+    assert [c.prompt_ids for c in listed] == [r.prompt_ids for r in records]
+    parent, digest = await store.find_call_by_reply(attempt.id, ["nothing", chain[3].reply_digest])
+    assert (parent.id, parent.prompt_ids, parent.response_ids, digest) == (
+        chain[3].id,
+        chain[3].prompt_ids,
+        chain[3].response_ids,
+        chain[3].reply_digest,
+    )
+    assert await store.find_call_by_request(attempt.id, fan[1].request_digest) == prompt
+    await store.complete(attempt.id, schema.CompleteRequest(status="succeeded", reward=1.0))
+    (exported,) = await store.export(after=0, limit=1, bodies=False)
+    assert [c.prompt_ids for c in exported.calls] == [r.prompt_ids for r in records]
+
+
+# --- migrations ------------------------------------------------------------------------------------------
+
+
+async def _schema(url: str) -> dict[str, Any]:
+    """Tables, columns (type, nullable), keys and indexes of the store at `url`, as reflected."""
+
+    def reflect(conn: Connection) -> dict[str, Any]:
+        insp = inspect(conn)
+        return {
+            t: {
+                "columns": {c["name"]: (str(c["type"]), c["nullable"]) for c in insp.get_columns(t)},
+                "pk": insp.get_pk_constraint(t)["constrained_columns"],
+                "unique": sorted(tuple(u["column_names"]) for u in insp.get_unique_constraints(t)),
+                "fks": sorted(
+                    (tuple(f["constrained_columns"]), f["referred_table"]) for f in insp.get_foreign_keys(t)
+                ),
+                "indexes": sorted(
+                    (i["name"], tuple(i["column_names"]), i["unique"]) for i in insp.get_indexes(t)
+                ),
+            }
+            for t in insp.get_table_names()
+        }
+
+    engine = create_async_engine(store_url(url))
+    try:
+        async with engine.connect() as conn:
+            return await conn.run_sync(reflect)
+    finally:
+        await engine.dispose()
+
+
+async def _tables_py_schema(url: str) -> dict[str, Any]:
+    """The schema `tables.py` describes, made with create_all in the empty database at `url`."""
+    engine = create_async_engine(store_url(url))
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
+    finally:
+        await engine.dispose()
+    return await _schema(url)
+
+
+async def _versions(url: str) -> list[int]:
+    engine = create_async_engine(store_url(url))
+    try:
+        async with engine.connect() as conn:
+            return list(
+                (await conn.execute(text("SELECT version FROM schema_version ORDER BY version"))).scalars()
+            )
+    finally:
+        await engine.dispose()
+
+
+async def _second_url(url: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    """Another empty store on the same backend as `url`."""
+    if url.startswith("sqlite"):
+        return f"sqlite:///{tmp_path / 'reference.db'}"
+    return request.getfixturevalue("postgres").create_database()
+
+
+async def test_a_new_store_migrates_to_exactly_the_tables_of_tables_py(
+    store: Store, url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    reference = await _tables_py_schema(await _second_url(url, tmp_path, request))
+    assert await _schema(url) == reference
+    assert await _versions(url) == [m.version for m in MIGRATIONS] == list(range(1, LATEST + 1))
+
+
+@pytest.mark.parametrize("url", ["mysql://u:secret@db/x", "postgres://u:secret@db/x", "not a url"])
+def test_a_store_url_the_store_cannot_open_is_refused_at_start_without_repeating_it(url: str) -> None:
+    with pytest.raises(ValidationError) as refused:
+        GatewaySettings(model="m", admin_token="t" * 16, store=url)
+    (error,) = refused.value.errors()
+    assert error["loc"] == ("store",) and "sqlite:///PATH or postgresql://" in error["msg"]
+    assert "secret" not in error["msg"]
+
+
+async def test_reopening_a_store_applies_nothing_and_a_newer_store_is_refused(url: str) -> None:
+    first = await Store.open(url)
+    await first.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=1)
+    await first.close()
+    again = await Store.open(url)
+    try:
+        assert await again.count_rollouts("queued") == 1
+    finally:
+        await again.close()
+    assert await _versions(url) == list(range(1, LATEST + 1))
+
+    engine = create_async_engine(store_url(url))
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO schema_version (version, name, applied_at) VALUES (:v, 'from the future', 0)"),
+            {"v": LATEST + 1},
+        )
+    await engine.dispose()
+    with pytest.raises(SchemaTooNew, match=f"schema version {LATEST + 1}, newer than this gateway knows"):
+        await Store.open(url)
+
+
+# The tables exactly as the gateway made them before the migration list (commit 98c637c, through
+# `create_all`), as SQLite holds them; the oldest stores lack `notes`, `turns_digest` and `posted_rewards`.
+_STORE_BEFORE_MIGRATIONS = """
+CREATE TABLE rollouts (
+    id VARCHAR(40) NOT NULL, group_id VARCHAR(40) NOT NULL, pool VARCHAR(253) NOT NULL, task JSON NOT NULL,
+    labels JSON NOT NULL, status VARCHAR(16) NOT NULL, reward FLOAT, max_attempts INTEGER NOT NULL,
+    attempts_started INTEGER NOT NULL, created_seq INTEGER NOT NULL, created_at FLOAT NOT NULL,
+    finished_at FLOAT, finish_seq INTEGER, PRIMARY KEY (id), UNIQUE (finish_seq)
+);
+CREATE INDEX ix_rollouts_claim ON rollouts (pool, status, created_seq);
+CREATE INDEX ix_rollouts_group_id ON rollouts (group_id);
+CREATE TABLE model_versions (
+    version INTEGER NOT NULL, engines JSON NOT NULL, active BOOLEAN NOT NULL, created_at FLOAT NOT NULL,
+    PRIMARY KEY (version)
+);
+CREATE TABLE attempts (
+    id VARCHAR(40) NOT NULL, rollout_id VARCHAR(40) NOT NULL, seq INTEGER NOT NULL,
+    pool VARCHAR(253) NOT NULL, token_hash VARCHAR(64) NOT NULL, status VARCHAR(16) NOT NULL,
+    lease_seconds FLOAT NOT NULL, claimed_at FLOAT NOT NULL, lease_expires_at FLOAT NOT NULL,
+    finished_at FLOAT, reward FLOAT, failure_reason TEXT, info JSON NOT NULL, PRIMARY KEY (id),
+    FOREIGN KEY(rollout_id) REFERENCES rollouts (id), UNIQUE (token_hash)
+);
+CREATE INDEX ix_attempts_rollout_id ON attempts (rollout_id);
+CREATE INDEX ix_attempts_lease ON attempts (status, lease_expires_at);
+CREATE TABLE posted_rewards (
+    attempt_id VARCHAR(40) NOT NULL, reward FLOAT NOT NULL, info JSON NOT NULL, posted_at FLOAT NOT NULL,
+    posts INTEGER NOT NULL, PRIMARY KEY (attempt_id), FOREIGN KEY(attempt_id) REFERENCES attempts (id)
+);
+CREATE TABLE calls (
+    id INTEGER NOT NULL, attempt_id VARCHAR(40) NOT NULL, rollout_id VARCHAR(40) NOT NULL,
+    request_id VARCHAR(64) NOT NULL, choice_index INTEGER NOT NULL, protocol VARCHAR(32) NOT NULL,
+    requested_model TEXT NOT NULL, model_version INTEGER NOT NULL, engine TEXT NOT NULL,
+    prompt_ids BLOB NOT NULL, response_ids BLOB NOT NULL, response_logprobs BLOB NOT NULL,
+    finish_reason VARCHAR(16) NOT NULL, parent_call_id INTEGER, prefix_reused BOOLEAN NOT NULL,
+    prefix_mismatch VARCHAR(64), request_digest VARCHAR(32) NOT NULL, reply_digest VARCHAR(32) NOT NULL,
+    started_at FLOAT NOT NULL, first_token_at FLOAT, finished_at FLOAT NOT NULL, request_body JSON NOT NULL,
+    response_body JSON NOT NULL, notes JSON, turns_digest VARCHAR(32), PRIMARY KEY (id),
+    FOREIGN KEY(attempt_id) REFERENCES attempts (id)
+);
+CREATE INDEX ix_calls_attempt ON calls (attempt_id, id);
+CREATE INDEX ix_calls_reply ON calls (attempt_id, reply_digest);
+CREATE INDEX ix_calls_request ON calls (attempt_id, request_digest);
+"""
+
+
+def _store_before_migrations(db: Path, *, oldest: bool) -> None:
+    """A store file as the gateway left it before the migration list, holding one finished rollout
+    (two calls, a posted reward unless `oldest`), one queued rollout and model version 0."""
+    with sqlite3.connect(db) as conn:
+        conn.executescript(_STORE_BEFORE_MIGRATIONS)
+        if oldest:
+            conn.executescript(
+                "DROP TABLE posted_rewards; ALTER TABLE calls DROP COLUMN notes;"
+                "ALTER TABLE calls DROP COLUMN turns_digest;"
+            )
+        rollout = "INSERT INTO rollouts VALUES (?, 'grp-1', 'default', ?, '{}', ?, ?, 1, ?, ?, 100.0, ?, ?)"
+        conn.execute(rollout, ("ro-done", '"old task"', "succeeded", 0.5, 1, 1, 101.0, 1))
+        conn.execute(rollout, ("ro-queued", '"waiting"', "queued", None, 0, 2, None, None))
+        conn.execute(
+            "INSERT INTO attempts VALUES ('at-done', 'ro-done', 1, 'default', 'hash', 'succeeded', 60, 100.0,"
+            " 160.0, 101.0, 0.5, NULL, '{}')"
+        )
+        if not oldest:
+            conn.execute("INSERT INTO posted_rewards VALUES ('at-done', 0.5, '{}', 100.5, 1)")
+        for n, parent in ((1, None), (2, 1)):
+            conn.execute(
+                "INSERT INTO calls (id, attempt_id, rollout_id, request_id, choice_index, protocol,"
+                " requested_model, model_version, engine, prompt_ids, response_ids, response_logprobs,"
+                " finish_reason, parent_call_id, prefix_reused, request_digest, reply_digest, started_at,"
+                " finished_at, request_body, response_body)"
+                " VALUES (?, 'at-done', 'ro-done', ?, 0, 'openai.chat', 'm', 0, 'e', ?, ?, ?, 'stop', ?, ?,"
+                " ?, ?, 100.0, 100.5, ?, '{}')",
+                (
+                    n,
+                    f"r{n}",
+                    pack_ids([1, 2, n]),
+                    pack_ids([7, n]),
+                    pack_logprobs([-0.5, -1.0]),
+                    parent,
+                    parent is not None,
+                    f"q{n}",
+                    f"a{n}",
+                    f'{{"n": {n}}}',
+                ),
+            )
+        conn.execute("INSERT INTO model_versions VALUES (0, '[\"http://engine\"]', 1, 99.0)")
+
+
+@pytest.mark.parametrize("oldest", [False, True], ids=["last-store-before-migrations", "first-stores"])
+async def test_a_store_made_before_migrations_keeps_its_data_and_continues_its_sequences(
+    tmp_path: Path, oldest: bool
+) -> None:
+    db = tmp_path / "old.db"
+    _store_before_migrations(db, oldest=oldest)
+    url = f"sqlite:///{db}"
+    store = await Store.open(url)
+    try:
+        (old,) = await store.export(after=0, limit=10, bodies=True)
+        assert (old.cursor, old.rollout.id, old.rollout.task, old.rollout.reward) == (
+            1,
+            "ro-done",
+            "old task",
+            0.5,
+        )
+        assert [(c.prompt_ids, c.response_logprobs, c.parent_call_id, c.notes) for c in old.calls] == [
+            ([1, 2, 1], [-0.5, -1.0], None, []),
+            ([1, 2, 2], [-0.5, -1.0], 1, []),
+        ]
+        posted = await store.posted_reward("at-done")
+        assert (posted is None) == oldest
+        assert [(v.version, v.engines, v.active) for v in await store.list_versions()] == [
+            (0, ["http://engine"], True)
+        ]
+
+        (new_id,) = await store.create_rollouts(schema.CreateRollouts(tasks=["new"]), default_max_attempts=1)
+        first, second = await store.claim("default", 60), await store.claim("default", 60)
+        assert (first.rollout_id, second.rollout_id) == ("ro-queued", new_id)  # created_seq continues
+        noted = _record(first, 3)
+        noted.notes, noted.turns_digest = ["tools[1] is left out"], "t3"
+        await store.record_calls([noted])
+        assert noted.id == 3 and (await store.list_calls(first.id))[0].notes == ["tools[1] is left out"]
+        assert (await store.call_digests(first.id))[2] == {"t3"}
+        await store.post_reward(first.id, 1.0, {})
+        await store.complete(first.id, schema.CompleteRequest(status="succeeded", reward=1.0))
+        assert [e.cursor for e in await store.export(after=1, limit=10, bodies=False)] == [2]  # finish_seq
     finally:
         await store.close()
+    assert await _versions(url) == list(range(1, LATEST + 1))
+    assert await _schema(url) == await _tables_py_schema(f"sqlite:///{tmp_path / 'reference.db'}")

@@ -34,6 +34,7 @@ CHART_VARIANTS: dict[str, tuple[str, ...]] = {
         "watchNamespaces={team-a,team-b}",
     ),
     "service-monitor": ("--set", "serviceMonitor.enabled=true"),
+    "postgresql": ("--set", "postgresql.enabled=true"),
     "kind": ("-f", str(ROOT / "deploy" / "kind" / "values.yaml")),
 }
 OVERLAYS = ("deploy/base", "deploy/overlays/kind", "deploy/overlays/production")

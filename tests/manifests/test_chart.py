@@ -547,6 +547,35 @@ def test_gateway_accepts_only_harness_trainer_and_operator_pods_on_8000() -> Non
     assert not allows(ingress, "from", ns, ns, pods["harness"], 8001, "TCP")
 
 
+def test_the_bundled_postgresql_is_off_by_default_and_only_gateway_pods_reach_it() -> None:
+    import base64
+
+    assert not [o for o in rendered("default") if "postgresql" in o["metadata"]["name"]]
+    objs = rendered("postgresql")
+    name = f"{FULLNAME}-postgresql"
+    secret, service = one(objs, "Secret", name), one(objs, "Service", name)
+    statefulset = one(objs, "StatefulSet", name)
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    url = base64.b64decode(secret["data"]["url"]).decode()
+    # What a TrainingRun's spec.gateway.store.urlSecret names: the Service, by its in-cluster name.
+    assert url == f"postgresql://inharness:{password}@{name}.{NAMESPACE}.svc:5432/inharness"
+    assert len(password) == 32
+    pod = statefulset["spec"]["template"]
+    assert selects(service["spec"]["selector"], pod["metadata"]["labels"])
+    [c] = pod["spec"]["containers"]
+    assert not [e for e in c["env"] if "valueFrom" in e]  # the password reaches it as a file only
+    assert {e["name"]: e["value"] for e in c["env"]}["POSTGRES_PASSWORD_FILE"].endswith("/password")
+
+    policy = one(objs, "NetworkPolicy", f"{name}-ingress")
+    spec, ns = policy["spec"], policy["metadata"]["namespace"]
+    pods = run_pod_labels()
+    assert selects(spec["podSelector"], pod["metadata"]["labels"]) and spec["policyTypes"] == ["Ingress"]
+    assert allows(spec["ingress"], "from", ns, "team-a", pods["gateway"], 5432, "TCP")
+    for other in ("harness", "trainer"):
+        assert not allows(spec["ingress"], "from", ns, "team-a", pods[other], 5432, "TCP")
+    assert not allows(spec["ingress"], "from", ns, "team-a", pods["gateway"], 5433, "TCP")
+
+
 def test_network_policies_go_to_every_watched_namespace_or_none_when_disabled() -> None:
     def where(objs: list[Obj]) -> set[tuple[str, str]]:
         return {(p["metadata"]["name"], p["metadata"]["namespace"]) for p in of_kind(objs, "NetworkPolicy")}

@@ -558,6 +558,11 @@ CEL_REJECTS: list[tuple[str, str, dict[tuple[str, ...], Any], dict[tuple[str, ..
      "set exactly one of tasks and path"),
     ("torch-on-several-nodes", "TrainingRun", {("spec", "trainer"): {"engine": "torch", "nodes": 2}}, None,
      "nodes above 1 need engine verl: the torch engine trains in one pod"),
+    ("gateway-replicas-on-sqlite", "TrainingRun", {("spec", "gateway"): {"replicas": 2}}, None,
+     "replicas above 1 need store.urlSecret: SQLite on a ReadWriteOnce claim serves one gateway"),
+    ("gateway-replicas-on-a-null-secret", "TrainingRun",
+     {("spec", "gateway"): {"replicas": 2, "store": {"urlSecret": None}}}, None,
+     "replicas above 1 need store.urlSecret: SQLite on a ReadWriteOnce claim serves one gateway"),
     ("grader-missing", "HarnessSpec", {("spec", "outcome"): {"type": "grader"}}, None,
      "grader is required when type is grader"),
     ("grader-not-allowed", "HarnessSpec",
@@ -627,6 +632,8 @@ ALLOWED_UPDATES: list[tuple[str, str, dict[tuple[str, ...], Any], dict[tuple[str
     ("parallelism-changed-once-used", "RolloutPool", {("spec", "parallelism"): 9},
      {("status",): {"running": 2}}),
     ("verl-on-four-nodes", "TrainingRun", {("spec", "trainer"): {"engine": "verl", "nodes": 4}}, {}),
+    ("gateway-replicas-on-postgresql", "TrainingRun",
+     {("spec", "gateway"): {"replicas": 3, "store": {"urlSecret": {"name": "db", "key": "url"}}}}, {}),
 ]  # fmt: skip
 
 

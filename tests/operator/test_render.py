@@ -301,6 +301,23 @@ def test_pod_overrides_are_applied_on_gateway_and_trainer(specs: Specs) -> None:
     assert container(objs, "StatefulSet/calc-trainer")["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
+POSTGRES_GATEWAY = {"replicas": 3, "store": {"urlSecret": {"name": "calc-db", "key": "url"}}}
+
+
+def test_a_postgresql_store_comes_from_its_secret_as_env_with_replicas_and_no_claim(specs: Specs) -> None:
+    objs = children(specs, with_spec(specs, gateway=POSTGRES_GATEWAY))
+    assert "PersistentVolumeClaim/calc-gateway-store" not in objs
+    c = container(objs, "Deployment/calc-gateway")
+    assert env_of(c)[render.STORE_ENV] == {"secretKeyRef": {"name": "calc-db", "key": "url"}}
+    assert cli.parser().parse_args(c["args"]).store is None  # the flag would win over the env var
+    assert "store" not in {m["name"] for m in c["volumeMounts"]}
+    assert "store" not in {v["name"] for v in pod_specs(objs)["Deployment/calc-gateway"]["volumes"]}
+    deployment = objs["Deployment/calc-gateway"]["spec"]
+    assert deployment["replicas"] == 3 and deployment["strategy"]["type"] == "RollingUpdate"
+    suspended = children(specs, with_spec(specs, gateway=POSTGRES_GATEWAY, suspend=True))
+    assert suspended["Deployment/calc-gateway"]["spec"]["replicas"] == 0
+
+
 def test_user_store_and_work_volumes_replace_the_claims(specs: Specs) -> None:
     gateway = {"pod": {"volumes": [{"name": "store", "persistentVolumeClaim": {"claimName": "my-store"}}]}}
     trainer = {"gpus": 0, "pod": {"volumes": [{"name": "work", "emptyDir": {}}]}}
@@ -360,6 +377,7 @@ def test_every_rendered_object_is_valid_kubernetes(specs: Specs, k8s_version: st
             settings=SETTINGS.model_copy(update={"storage_class": "fast"}),
         ),
         children(specs, with_spec(specs, trainer=VERL), owner_uid=UID),
+        children(specs, with_spec(specs, gateway=POSTGRES_GATEWAY), owner_uid=UID),
     ]
     for objs in variants:
         for key, obj in objs.items():

@@ -252,6 +252,21 @@ CASES = [
     ),
     pytest.param(
         2,
+        "spec.gateway",
+        {"replicas": 2},
+        f"{R}: spec.gateway.replicas: replicas above 1 need store.urlSecret (got 2 with the SQLite store): "
+        "SQLite on a ReadWriteOnce claim serves one gateway",
+        id="gateway replicas on sqlite",
+    ),
+    pytest.param(
+        2,
+        "spec.gateway",
+        {"store": {"urlSecret": {"name": "db"}}},
+        f"{R}: spec.gateway.store.urlSecret.key: Field required",
+        id="store secret without key",
+    ),
+    pytest.param(
+        2,
         "spec.trainer",
         {"engine": "verl", "nodes": 65},
         f"{R}: spec.trainer.nodes: Input should be less than or equal to 64",

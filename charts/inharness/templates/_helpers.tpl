@@ -95,3 +95,10 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end -}}
+
+{{/* The bundled PostgreSQL pod's selector (postgresql.enabled). */}}
+{{- define "inharness.postgresqlSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "inharness.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: postgresql
+{{- end -}}

@@ -832,15 +832,65 @@ class LocalPool(SpecModel):
     )
 
 
+class SecretKeySelector(SpecModel):
+    name: DnsLabel = Field(description="Name of the Secret (same namespace).")
+    key: str = Field(
+        min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key of the Secret's data."
+    )
+
+
+class GatewayStore(SpecModel):
+    url_secret: SecretKeySelector | None = Field(
+        default=None,
+        description="The Secret key holding the store's database URL, "
+        "postgresql://USER:PASSWORD@HOST:PORT/DATABASE: the gateway gets it as an env var set from the "
+        "Secret (never in the pod spec), migrates the database on start, and its replicas share it. "
+        "Null: SQLite on the run's gateway-store claim, one replica. Cluster only: local runs keep SQLite "
+        "in the run directory.",
+    )
+
+
 class GatewaySpec(SpecModel):
+    model_config = _rules(
+        _cel(
+            f"self.replicas <= 1 || (has(self.store) && {_is_set('self.store.urlSecret')})",
+            "replicas above 1 need store.urlSecret: SQLite on a ReadWriteOnce claim serves one gateway",
+            field_path=".replicas",
+            reason="FieldValueInvalid",
+        )
+    )
+
     image: str | None = Field(
         default=None, min_length=1, description="Gateway image; default: the operator's setting."
+    )
+    store: GatewayStore = Field(
+        default_factory=GatewayStore, description="Where the gateway records rollouts and calls."
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=32,
+        validate_default=True,
+        description="Gateway pods (Deployment replicas) behind the run's Service. Above 1 only with "
+        "store.urlSecret: the pods share the PostgreSQL database.",
     )
     pod: PodOverrides | None = Field(
         default=None,
         description="Overrides of the gateway pod; resources merge over the defaults "
         f"({_shown(GATEWAY_RESOURCES)}).",
     )
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas_need_a_shared_store(cls, replicas: int, info: ValidationInfo) -> int:
+        store = info.data.get("store")
+        if replicas > 1 and isinstance(store, GatewayStore) and store.url_secret is None:
+            raise _spec_error(
+                "replicas above 1 need store.urlSecret (got {got} with the SQLite store): SQLite on a "
+                "ReadWriteOnce claim serves one gateway",
+                got=replicas,
+            )
+        return replicas
 
 
 class TrainerSpec(SpecModel):

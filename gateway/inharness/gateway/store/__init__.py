@@ -1,5 +1,6 @@
-"""Durable store of the gateway (SQLite embedded default; portable SQL for PostgreSQL)."""
+"""Durable store of the gateway (SQLite embedded default; PostgreSQL for several gateway processes)."""
 
+from inharness.gateway.store.migrations import SchemaTooNew
 from inharness.gateway.store.store import (
     AttemptAuth,
     CallRecord,
@@ -10,4 +11,13 @@ from inharness.gateway.store.store import (
     StoreError,
 )
 
-__all__ = ["AttemptAuth", "CallRecord", "Conflict", "NotFound", "ParentCall", "Store", "StoreError"]
+__all__ = [
+    "AttemptAuth",
+    "CallRecord",
+    "Conflict",
+    "NotFound",
+    "ParentCall",
+    "SchemaTooNew",
+    "Store",
+    "StoreError",
+]

@@ -1,20 +1,33 @@
 """The gateway's durable store: rollout queue with leases, attempts, recorded calls, model versions.
 
-SQLAlchemy 2 async Core over SQLite (embedded default, WAL) and kept portable for PostgreSQL.
-Recorded calls go through a group-commit writer: concurrent calls share one transaction, and each
-caller is released only after the commit that holds its record, so an answered call is durable.
+SQLAlchemy 2 async Core over SQLite (embedded default, WAL; aiosqlite) or PostgreSQL (asyncpg), the same
+queries on both; the schema is brought up to date on open (migrations.py). Recorded calls go through a
+group-commit writer: concurrent calls share one transaction, and each caller is released only after
+the commit that holds its record, so an answered call is durable.
+
+Several gateway processes may share one PostgreSQL database (replicas of one run's gateway). What
+keeps them correct is in the transactions, not in any one process:
+- a claim takes the oldest queued rollouts with `FOR UPDATE SKIP LOCKED`: two claims never take the
+  same rollout, and neither waits for the other;
+- every change of an attempt (heartbeat, completion, reward, release, expiry) locks its row first
+  (`FOR UPDATE`; the lease sweep skips rows another process holds), so two processes never both
+  settle one attempt;
+- `finish_seq` and `created_seq` come from `counters` rows, locked until commit: numbers are unique
+  and become visible in order, so an export cursor never skips a rollout that finished concurrently.
+On SQLite, one process writes at a time (`_write_lock`) and `FOR UPDATE` renders as nothing.
 """
 
 import asyncio
 import hashlib
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from sqlalchemy import (
+    URL,
     Connection,
     Engine,
     bindparam,
@@ -22,17 +35,26 @@ from sqlalchemy import (
     event,
     func,
     insert,
-    inspect,
     select,
-    text,
     update,
 )
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
 
 from inharness.gateway import schema
 from inharness.gateway.codec import pack_ids, pack_logprobs, unpack_ids, unpack_logprobs
-from inharness.gateway.store.tables import attempts, calls, metadata, model_versions, posted_rewards, rollouts
+from inharness.gateway.store.migrations import migrate
+from inharness.gateway.store.tables import (
+    attempts,
+    calls,
+    counters,
+    model_versions,
+    posted_rewards,
+    rollouts,
+)
 
 SqliteSync = Literal["off", "normal", "full"]
 _INSERT_CALLS = insert(calls).returning(calls.c.id, sort_by_parameter_order=True)
@@ -135,14 +157,12 @@ class Store:
 
     @classmethod
     async def open(cls, url: str, *, sqlite_synchronous: SqliteSync = "normal") -> "Store":
-        """Open (and create) the store. `sqlite_synchronous=normal` survives a killed process (WAL);
-        `full` also survives power loss at the cost of an fsync per commit."""
-        parsed = make_url(url)
+        """Open the store at `url` (`sqlite:///PATH`, or `postgresql://USER:PASSWORD@HOST:PORT/DB`),
+        creating it or migrating it to this gateway's schema first (migrations.py). On SQLite,
+        `sqlite_synchronous=normal` survives a killed process (WAL); `full` also survives power loss at
+        the cost of an fsync per commit."""
+        parsed = store_url(url)
         if parsed.get_backend_name() == "sqlite":
-            if parsed.drivername == "sqlite":
-                parsed = parsed.set(drivername="sqlite+aiosqlite")
-            engine = create_async_engine(parsed, connect_args={"timeout": 30})
-            call_engine = create_engine(parsed.set(drivername="sqlite"), connect_args={"timeout": 30})
 
             def _pragmas(dbapi_conn: Any, _record: Any) -> None:
                 cur = dbapi_conn.cursor()
@@ -152,6 +172,9 @@ class Store:
                 cur.execute("PRAGMA busy_timeout=30000")
                 cur.close()
 
+            await asyncio.to_thread(_migrate_sqlite, parsed.set(drivername="sqlite"), _pragmas)
+            engine = create_async_engine(parsed, connect_args={"timeout": 30})
+            call_engine = create_engine(parsed.set(drivername="sqlite"), connect_args={"timeout": 30})
             event.listen(engine.sync_engine, "connect", _pragmas)
             event.listen(call_engine, "connect", _pragmas)
             store = cls(
@@ -161,10 +184,15 @@ class Store:
                 call_thread=sqlite_synchronous == "full",
             )
         else:
-            store = cls(create_async_engine(parsed, pool_size=10), serialize_writes=False)
-        async with store._writing() as conn:
-            await conn.run_sync(metadata.create_all)
-            await conn.run_sync(_add_missing_columns)
+            # pre_ping: a connection the database closed (a restart, a failover) is replaced, not used.
+            engine = create_async_engine(parsed, pool_size=10, pool_pre_ping=True)
+            try:
+                async with engine.begin() as conn:
+                    await conn.run_sync(migrate)
+            except BaseException:
+                await engine.dispose()
+                raise
+            store = cls(engine, serialize_writes=False)
         store._writer = asyncio.create_task(store._write_calls_forever(), name="store-call-writer")
         return store
 
@@ -185,7 +213,7 @@ class Store:
         max_attempts = req.max_attempts or default_max_attempts
         rows: list[dict[str, Any]] = []
         async with self._writing() as conn:
-            seq = (await conn.scalar(select(func.coalesce(func.max(rollouts.c.created_seq), 0)))) or 0
+            seq = await _take_numbers(conn, "created_seq", len(req.tasks) * req.group_size)
             for task in req.tasks:
                 group_id = _new_id("grp")
                 for _ in range(req.group_size):
@@ -269,13 +297,61 @@ class Store:
     async def heartbeat(self, attempt_id: str, lease_seconds: float | None) -> schema.AttemptOut:
         now = time.time()
         async with self._writing() as conn:
-            row = _running(await _attempt_row(conn, attempt_id), now, "its lease cannot be renewed")
+            row = _running(
+                await _attempt_row(conn, attempt_id, lock=True), now, "its lease cannot be renewed"
+            )
             seconds = lease_seconds or row.lease_seconds
             await conn.execute(
                 update(attempts).where(attempts.c.id == attempt_id).values(lease_expires_at=now + seconds)
             )
             row = await _attempt_row(conn, attempt_id)
         return _attempt_out(row)
+
+    async def heartbeat_many(
+        self, attempt_ids: Sequence[str], lease_seconds: float | None
+    ) -> list[schema.LeaseRenewal]:
+        """Renew the leases of those attempts that are running with a live lease, in one transaction
+        of at most two statements per `_IDS_PER_STATEMENT` ids: an UPDATE … RETURNING of the renewed
+        ones, and a SELECT of the rest only when some were not. One answer per id, in order, saying
+        why a lease was not renewed, so that a controller stops the harnesses whose attempts ended."""
+        now = time.time()
+        unique = list(dict.fromkeys(attempt_ids))
+        seconds = lease_seconds if lease_seconds is not None else attempts.c.lease_seconds
+        found: dict[str, schema.LeaseRenewal] = {}
+        async with self._writing() as conn:
+            for start in range(0, len(unique), _IDS_PER_STATEMENT):
+                chunk = unique[start : start + _IDS_PER_STATEMENT]
+                renewed = await conn.execute(
+                    update(attempts)
+                    .where(
+                        attempts.c.id.in_(chunk),
+                        attempts.c.status == "running",
+                        attempts.c.lease_expires_at >= now,
+                    )
+                    .values(lease_expires_at=now + seconds)
+                    .returning(attempts.c.id, attempts.c.lease_expires_at)
+                )
+                for row in renewed:
+                    found[row.id] = schema.LeaseRenewal(
+                        id=row.id, lease="renewed", status="running", lease_expires_at=row.lease_expires_at
+                    )
+                rest = [i for i in chunk if i not in found]
+                if not rest:
+                    continue
+                c = attempts.c
+                rows = await conn.execute(
+                    select(c.id, c.status, c.lease_expires_at, c.failure_reason).where(c.id.in_(rest))
+                )
+                for row in rows:
+                    lost = row.status == "running" or row.failure_reason == "lease expired"
+                    found[row.id] = schema.LeaseRenewal(
+                        id=row.id,
+                        lease="expired" if lost else "finished",
+                        status=row.status,
+                        lease_expires_at=row.lease_expires_at,
+                    )
+        unknown = {"lease": "unknown", "status": None, "lease_expires_at": None}
+        return [found.get(i) or schema.LeaseRenewal(id=i, **unknown) for i in attempt_ids]
 
     async def complete(self, attempt_id: str, req: schema.CompleteRequest) -> tuple[schema.AttemptOut, bool]:
         """Finish a running attempt. Returns (attempt, duplicate): repeating the same completion is
@@ -287,7 +363,7 @@ class Store:
         every call it was answered is counted; a call still in flight has answered nobody yet."""
         now = time.time()
         async with self._writing() as conn:
-            row = await _attempt_row(conn, attempt_id)
+            row = await _attempt_row(conn, attempt_id, lock=True)
             if row.status != "running" or row.lease_expires_at < now:
                 same = row.status == req.status and row.reward == req.reward
                 if same and row.failure_reason != "lease expired":
@@ -317,9 +393,10 @@ class Store:
         async with self._writing() as conn:
             running = (
                 await conn.execute(
-                    select(attempts.c.id, attempts.c.rollout_id).where(
-                        attempts.c.pool == pool, attempts.c.status == "running"
-                    )
+                    select(attempts.c.id, attempts.c.rollout_id)
+                    .where(attempts.c.pool == pool, attempts.c.status == "running")
+                    .order_by(attempts.c.id)  # one lock order for every process: no deadlock
+                    .with_for_update()
                 )
             ).all()
             for row in running:
@@ -338,7 +415,7 @@ class Store:
         in the same transaction as the write, so a post never lands on a finished or expired attempt."""
         now = time.time()
         async with self._writing() as conn:
-            _running(await _attempt_row(conn, attempt_id), now, "its reward cannot change")
+            _running(await _attempt_row(conn, attempt_id, lock=True), now, "its reward cannot change")
             posts = await conn.scalar(
                 select(posted_rewards.c.posts).where(posted_rewards.c.attempt_id == attempt_id)
             )
@@ -374,9 +451,10 @@ class Store:
         async with self._writing() as conn:
             expired = (
                 await conn.execute(
-                    select(attempts.c.id, attempts.c.rollout_id).where(
-                        attempts.c.status == "running", attempts.c.lease_expires_at < now
-                    )
+                    select(attempts.c.id, attempts.c.rollout_id)
+                    .where(attempts.c.status == "running", attempts.c.lease_expires_at < now)
+                    # Another process's sweep, or a completion, holds it: theirs to settle.
+                    .with_for_update(skip_locked=True)
                 )
             ).all()
             for row in expired:
@@ -459,43 +537,42 @@ class Store:
 
     async def _write_calls_forever(self) -> None:
         """Group commit: every record queued while the previous commit ran goes into the next one."""
-        async with self._engine.connect() as conn:
-            while True:
-                batch = [await self._call_queue.get()]
-                while not self._call_queue.empty() and len(batch) < 256:
-                    batch.append(self._call_queue.get_nowait())
-                records = [rec for recs, _ in batch for rec in recs]
-                rows = [_call_row(r) for r in records]
-                try:
-                    if self._write_lock is not None:
-                        await self._write_lock.acquire()
-                    try:
-                        if self._call_thread is not None:
-                            loop = asyncio.get_running_loop()
-                            ids = await loop.run_in_executor(self._call_thread, self._insert_calls_sync, rows)
-                        elif self._call_engine is not None:
-                            ids = self._insert_calls_sync(rows)
-                        else:
-                            async with conn.begin():
-                                ids = list((await conn.execute(_INSERT_CALLS, rows)).scalars())
-                    finally:
-                        if self._write_lock is not None:
-                            self._write_lock.release()
-                except Exception as exc:  # every waiter learns that its records were not stored
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(exc)
-                    continue
-                for rec, call_id in zip(records, ids, strict=True):
-                    rec.id = call_id
+        while True:
+            batch = [await self._call_queue.get()]
+            while not self._call_queue.empty() and len(batch) < 256:
+                batch.append(self._call_queue.get_nowait())
+            records = [rec for recs, _ in batch for rec in recs]
+            try:
+                ids = await self._insert_calls(records)
+            except Exception as exc:  # every waiter learns that its records were not stored
                 for _, fut in batch:
                     if not fut.done():
-                        fut.set_result(None)
+                        fut.set_exception(exc)
+                continue
+            for rec, call_id in zip(records, ids, strict=True):
+                rec.id = call_id
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_result(None)
 
-    def _insert_calls_sync(self, rows: list[dict[str, Any]]) -> list[int]:
+    async def _insert_calls(self, records: list[CallRecord]) -> list[int]:
+        """One transaction of calls. SQLite: the sqlite3 writer (on a thread with fsync), under the
+        write lock. PostgreSQL: the async engine, a pooled connection per batch (a connection the
+        database dropped is replaced, not kept)."""
+        if self._call_engine is None:
+            async with self._engine.begin() as conn:
+                return await conn.run_sync(_insert_calls, records)
+        assert self._write_lock is not None
+        async with self._write_lock:
+            if self._call_thread is None:
+                return self._insert_calls_sync(records)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._call_thread, self._insert_calls_sync, records)
+
+    def _insert_calls_sync(self, records: list[CallRecord]) -> list[int]:
         assert self._call_engine is not None
         with self._call_engine.begin() as conn:
-            return list(conn.execute(_INSERT_CALLS, rows).scalars())
+            return _insert_calls(conn, records)
 
     async def call_digests(self, attempt_id: str) -> tuple[dict[str, int], dict[str, int], set[str]]:
         """(reply digest -> call id, request digest -> call id, turns digests of the replies) of the
@@ -521,38 +598,35 @@ class Store:
         async with self._engine.connect() as conn:
             rows = (
                 await conn.execute(
-                    select(
-                        calls.c.id,
-                        calls.c.prompt_ids,
-                        calls.c.response_ids,
-                        calls.c.finish_reason,
-                        calls.c.reply_digest,
-                    )
+                    select(calls.c.id, calls.c.reply_digest)
                     .where(calls.c.attempt_id == attempt_id, calls.c.reply_digest.in_(list(digests)))
                     .order_by(calls.c.id.desc())
                 )
             ).all()
-        best: dict[str, Any] = {}
-        for r in rows:
-            best.setdefault(r.reply_digest, r)
-        for d in digests:
-            if d in best:
-                r = best[d]
-                return ParentCall(
-                    r.id, unpack_ids(r.prompt_ids), unpack_ids(r.response_ids), r.finish_reason
-                ), d
-        return None
+            best: dict[str, int] = {}
+            for r in rows:
+                best.setdefault(r.reply_digest, r.id)
+            found = next((d for d in digests if d in best), None)
+            if found is None:
+                return None
+            chain = await _chain(conn, best[found])
+        call = chain[best[found]]
+        prompt = _whole_prompt(chain, call.id)
+        return ParentCall(call.id, prompt, unpack_ids(call.response_ids), call.finish_reason), found
 
     async def find_call_by_request(self, attempt_id: str, digest: str) -> list[int] | None:
         """Prompt ids of an earlier call of the attempt asked with exactly this conversation."""
         async with self._engine.connect() as conn:
-            blob = await conn.scalar(
-                select(calls.c.prompt_ids)
+            call_id = await conn.scalar(
+                select(calls.c.id)
                 .where(calls.c.attempt_id == attempt_id, calls.c.request_digest == digest)
                 .order_by(calls.c.id.desc())
                 .limit(1)
             )
-        return None if blob is None else unpack_ids(blob)
+            if call_id is None:
+                return None
+            chain = await _chain(conn, call_id)
+        return _whole_prompt(chain, call_id)
 
     async def call_bodies(
         self, attempt_id: str, request_id: str
@@ -577,7 +651,8 @@ class Store:
             rows = (
                 await conn.execute(select(calls).where(calls.c.attempt_id == attempt_id).order_by(calls.c.id))
             ).all()
-        return [_call_out(r, bodies=bodies) for r in rows]
+            prompts = await _prompts_of(conn, rows)
+        return [_call_out(r, prompts[r.id], bodies=bodies) for r in rows]
 
     async def export(
         self, *, after: int, limit: int, bodies: bool, status: str | None = None
@@ -606,11 +681,12 @@ class Store:
                     if final
                     else []
                 )
+                prompts = await _prompts_of(conn, call_rows)
                 out.append(
                     schema.ExportedRollout(
                         cursor=row.finish_seq,
                         rollout=ro,
-                        calls=[_call_out(c, bodies=bodies) for c in call_rows],
+                        calls=[_call_out(c, prompts[c.id], bodies=bodies) for c in call_rows],
                     )
                 )
         return out
@@ -619,19 +695,16 @@ class Store:
 
     async def register_version(self, version: int, engines: list[str], *, activate: bool) -> None:
         async with self._writing() as conn:
-            exists = await conn.scalar(
-                select(model_versions.c.version).where(model_versions.c.version == version)
+            # An upsert: gateways starting together on one database each register their --engine.
+            dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+            new = dialect_insert(model_versions).values(
+                version=version, engines=engines, active=False, created_at=time.time()
             )
-            if exists is None:
-                await conn.execute(
-                    insert(model_versions).values(
-                        version=version, engines=engines, active=False, created_at=time.time()
-                    )
+            await conn.execute(
+                new.on_conflict_do_update(
+                    index_elements=[model_versions.c.version], set_={"engines": engines}
                 )
-            else:
-                await conn.execute(
-                    update(model_versions).where(model_versions.c.version == version).values(engines=engines)
-                )
+            )
             if activate:
                 await _activate(conn, version)
 
@@ -690,8 +763,10 @@ async def _activate(conn: AsyncConnection, version: int) -> None:
     await conn.execute(update(model_versions).values(active=model_versions.c.version == version))
 
 
-async def _attempt_row(conn: AsyncConnection, attempt_id: str) -> Any:
-    row = (await conn.execute(select(attempts).where(attempts.c.id == attempt_id))).first()
+async def _attempt_row(conn: AsyncConnection, attempt_id: str, *, lock: bool = False) -> Any:
+    """The attempt's row; `lock`: locked until the transaction ends, for a change that depends on it."""
+    query = select(attempts).where(attempts.c.id == attempt_id)
+    row = (await conn.execute(query.with_for_update() if lock else query)).first()
     if row is None:
         raise NotFound(f"attempt {attempt_id} not found")
     return row
@@ -718,7 +793,7 @@ async def _settle_rollout(
     """After an attempt ends: requeue the rollout when the attempt was released, or failed while
     attempts remain; else finish it. Released attempts are not charged: they ended through no fault
     of the harness."""
-    ro = (await conn.execute(select(rollouts).where(rollouts.c.id == rollout_id))).first()
+    ro = (await conn.execute(select(rollouts).where(rollouts.c.id == rollout_id).with_for_update())).first()
     if ro is None or ro.status != "running":
         return
     if status == "released" or (
@@ -726,12 +801,25 @@ async def _settle_rollout(
     ):
         await conn.execute(update(rollouts).where(rollouts.c.id == rollout_id).values(status="queued"))
         return
-    seq = (await conn.scalar(select(func.coalesce(func.max(rollouts.c.finish_seq), 0)))) or 0
+    seq = await _take_numbers(conn, "finish_seq", 1)
     await conn.execute(
         update(rollouts)
         .where(rollouts.c.id == rollout_id)
         .values(status=status, reward=reward, finished_at=now, finish_seq=seq + 1)
     )
+
+
+async def _take_numbers(conn: AsyncConnection, counter: str, n: int) -> int:
+    """Reserve the next `n` numbers of `counter`; returns the last number before them. The counter's
+    row stays locked until the transaction ends, so numbers are handed out in commit order: take them
+    as late in a transaction as its work allows."""
+    last = await conn.scalar(
+        update(counters)
+        .where(counters.c.name == counter)
+        .values(value=counters.c.value + n)
+        .returning(counters.c.value)
+    )
+    return int(last) - n
 
 
 async def _charged_attempts(conn: AsyncConnection, rollout_id: str) -> int:
@@ -791,20 +879,141 @@ async def _rollout_out(conn: AsyncConnection, row: Any) -> schema.RolloutOut:
     )
 
 
-def _add_missing_columns(conn: Connection) -> None:
-    """Columns added to a table after a store was created, added to that store (`create_all` makes
-    missing tables only). Each such column is nullable, so existing rows stay valid."""
-    existing = inspect(conn)
-    for table in metadata.sorted_tables:
-        have = {c["name"] for c in existing.get_columns(table.name)}
-        for column in table.columns:
-            if column.name not in have:
-                assert column.nullable, f"{table.name}.{column.name}: an added column must be nullable"
-                kind = column.type.compile(dialect=conn.dialect)
-                conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+def store_url(url: str) -> URL:
+    """The store's URL with the async driver it is opened with, or a StoreError naming the forms."""
+    forms = "sqlite:///PATH or postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise StoreError(f"the store is not a database URL; give {forms}") from None
+    if parsed.drivername in ("sqlite", "sqlite+aiosqlite", "sqlite+pysqlite"):
+        return parsed.set(drivername="sqlite+aiosqlite")
+    if parsed.drivername in ("postgresql", "postgresql+asyncpg"):
+        return parsed.set(drivername="postgresql+asyncpg")
+    raise StoreError(f"a store URL of scheme {parsed.drivername!r} is not supported; give {forms}")
 
 
-def _call_row(rec: CallRecord) -> dict[str, Any]:
+def _migrate_sqlite(url: URL, pragmas: Callable[[Any, Any], None]) -> None:
+    """Migrate a SQLite store in one BEGIN IMMEDIATE transaction: its DDL inside it (the sqlite3
+    driver would run DDL outside any transaction), and a second process opening the same file waits
+    for the first to commit instead of migrating it too."""
+    engine = create_engine(url, connect_args={"timeout": 30}, poolclass=NullPool)
+    event.listen(engine, "connect", pragmas)
+
+    def _driver_autocommit(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # the BEGIN below is the only one
+
+    event.listen(engine, "connect", _driver_autocommit)
+    event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+    try:
+        with engine.begin() as conn:
+            migrate(conn)
+    finally:
+        engine.dispose()
+
+
+def _insert_calls(conn: Connection, records: Sequence[CallRecord]) -> list[int]:
+    """Insert the calls in the caller's transaction, each continuation as its new prompt ids only."""
+    rows = [_call_row(rec, prefix) for rec, prefix in zip(records, _prefixes(conn, records), strict=True)]
+    return list(conn.execute(_INSERT_CALLS, rows).scalars())
+
+
+def _prefixes(conn: Connection, records: Sequence[CallRecord]) -> list[int | None]:
+    """How many leading prompt ids of each record are its parent's prompt and response, and so are not
+    stored again; None: the prompt is stored whole (a root, a prompt not built on its parent). Trusts
+    `prefix_reused` only as far as it can check: the ids before the prefix's end must be the parent's
+    stored ids and response (its whole prompt, for a root), else the prompt is stored whole."""
+    wanted = {r.parent_call_id for r in records if r.prefix_reused and r.parent_call_id is not None}
+    if not wanted:
+        return [None] * len(records)
+    query = select(calls.c.id, calls.c.prompt_prefix, calls.c.prompt_ids, calls.c.response_ids)
+    parents = {p.id: p for p in conn.execute(query.where(calls.c.id.in_(list(wanted))))}
+    out: list[int | None] = []
+    for rec in records:
+        parent = parents.get(rec.parent_call_id) if rec.prefix_reused else None
+        if parent is None:
+            out.append(None)
+            continue
+        tail = unpack_ids(parent.prompt_ids) + unpack_ids(parent.response_ids)
+        end = (parent.prompt_prefix or 0) + len(tail)
+        fits = len(rec.prompt_ids) >= end and list(rec.prompt_ids[end - len(tail) : end]) == tail
+        out.append(end if fits else None)
+    return out
+
+
+_CHAIN_COLUMNS = (
+    calls.c.id,
+    calls.c.parent_call_id,
+    calls.c.prompt_prefix,
+    calls.c.prompt_ids,
+    calls.c.response_ids,
+    calls.c.finish_reason,
+)
+
+
+async def _chain(conn: AsyncConnection, call_id: int) -> dict[int, Any]:
+    """The call and the ancestors its stored prompt needs, by id, in one recursive query."""
+    chain = select(*_CHAIN_COLUMNS).where(calls.c.id == call_id).cte("chain", recursive=True)
+    parents = (
+        select(*_CHAIN_COLUMNS)
+        .join(chain, calls.c.id == chain.c.parent_call_id)
+        .where(chain.c.prompt_prefix.is_not(None))
+    )
+    chain = chain.union_all(parents)
+    return {r.id: r for r in (await conn.execute(select(chain))).all()}
+
+
+async def _prompts_of(conn: AsyncConnection, rows: Sequence[Any]) -> dict[int, list[int]]:
+    """Whole prompt ids of call rows; ancestors outside `rows` (none, for an attempt's calls, whose
+    parents are its own) are read."""
+    known = {r.id: r for r in rows}
+    for r in rows:
+        if r.prompt_prefix is not None and r.parent_call_id not in known:
+            known.update(await _chain(conn, r.parent_call_id))
+    return _whole_prompts(known)
+
+
+def _whole_prompts(known: dict[int, Any]) -> dict[int, list[int]]:
+    """The whole prompt ids of every call in `known` (call rows with id, parent_call_id, prompt_prefix,
+    prompt_ids, response_ids; every ancestor a continuation needs among them), parents first."""
+    whole: dict[int, list[int]] = {}
+    for call_id in sorted(known):  # a parent's id is below its children's
+        row = known[call_id]
+        ids = unpack_ids(row.prompt_ids)
+        if row.prompt_prefix is not None:
+            parent = known[row.parent_call_id]
+            ids = _checked(row, whole[parent.id] + unpack_ids(parent.response_ids)) + ids
+        whole[call_id] = ids
+    return whole
+
+
+def _whole_prompt(known: dict[int, Any], call_id: int) -> list[int]:
+    """The whole prompt ids of one call, from its chain in `known` (`_chain`): each piece copied once."""
+    pieces: list[tuple[Any, list[int]]] = []  # (row, its stored ids), the call first
+    row = known[call_id]
+    while True:
+        pieces.append((row, unpack_ids(row.prompt_ids)))
+        if row.prompt_prefix is None:
+            break
+        parent = known[row.parent_call_id]
+        pieces.append((None, unpack_ids(parent.response_ids)))
+        row = parent
+    ids: list[int] = []
+    for piece_row, piece in reversed(pieces):
+        if piece_row is not None and piece_row.prompt_prefix is not None:
+            _checked(piece_row, ids)
+        ids += piece
+    return ids
+
+
+def _checked(row: Any, base: list[int]) -> list[int]:
+    """`base`, the ids a continuation's stored ids follow, if it is as long as the row says."""
+    if len(base) != row.prompt_prefix:
+        raise StoreError(f"call {row.id} extends {row.prompt_prefix} ids; its parent has {len(base)}")
+    return base
+
+
+def _call_row(rec: CallRecord, prefix: int | None) -> dict[str, Any]:
     return {
         "attempt_id": rec.attempt_id,
         "rollout_id": rec.rollout_id,
@@ -814,7 +1023,8 @@ def _call_row(rec: CallRecord) -> dict[str, Any]:
         "requested_model": rec.requested_model,
         "model_version": rec.model_version,
         "engine": rec.engine,
-        "prompt_ids": pack_ids(rec.prompt_ids),
+        "prompt_ids": pack_ids(rec.prompt_ids if prefix is None else rec.prompt_ids[prefix:]),
+        "prompt_prefix": prefix,
         "response_ids": pack_ids(rec.response_ids),
         "response_logprobs": pack_logprobs(rec.response_logprobs),
         "finish_reason": rec.finish_reason,
@@ -833,7 +1043,7 @@ def _call_row(rec: CallRecord) -> dict[str, Any]:
     }
 
 
-def _call_out(row: Any, *, bodies: bool) -> schema.CallOut:
+def _call_out(row: Any, prompt_ids: list[int], *, bodies: bool) -> schema.CallOut:
     return schema.CallOut(
         id=row.id,
         attempt_id=row.attempt_id,
@@ -844,7 +1054,7 @@ def _call_out(row: Any, *, bodies: bool) -> schema.CallOut:
         requested_model=row.requested_model,
         model_version=row.model_version,
         engine=row.engine,
-        prompt_ids=unpack_ids(row.prompt_ids),
+        prompt_ids=prompt_ids,
         response_ids=unpack_ids(row.response_ids),
         response_logprobs=unpack_logprobs(row.response_logprobs),
         finish_reason=row.finish_reason,

@@ -1,7 +1,9 @@
-"""Tables of the gateway store (SQLAlchemy Core; portable between SQLite and PostgreSQL)."""
+"""Tables of the gateway store (SQLAlchemy Core; portable between SQLite and PostgreSQL): the schema as
+it is now. How a store gets there is `migrations.py`; a test checks that both agree."""
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Column,
     Float,
@@ -16,6 +18,9 @@ from sqlalchemy import (
 )
 
 metadata = MetaData()
+
+# 64-bit on PostgreSQL; SQLite's INTEGER is 64-bit already and must stay INTEGER to be its rowid.
+CallId = BigInteger().with_variant(Integer(), "sqlite")
 
 rollouts = Table(
     "rollouts",
@@ -32,7 +37,7 @@ rollouts = Table(
     Column("created_seq", Integer, nullable=False),
     Column("created_at", Float, nullable=False),
     Column("finished_at", Float),
-    # Monotonic position in the export stream, assigned when the rollout reaches a final status.
+    # Position in the export stream, taken from `counters` when the rollout reaches a final status.
     Column("finish_seq", Integer, unique=True),
     Index("ix_rollouts_claim", "pool", "status", "created_seq"),
 )
@@ -57,8 +62,7 @@ attempts = Table(
     Index("ix_attempts_lease", "status", "lease_expires_at"),
 )
 
-# A reward the harness posted for its own attempt (the latest post); its own table, so that an existing
-# store gains it through create_all without a migration.
+# A reward the harness posted for its own attempt (the latest post).
 posted_rewards = Table(
     "posted_rewards",
     metadata,
@@ -72,7 +76,7 @@ posted_rewards = Table(
 calls = Table(
     "calls",
     metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("id", CallId, primary_key=True, autoincrement=True),
     Column("attempt_id", String(40), ForeignKey("attempts.id"), nullable=False),
     Column("rollout_id", String(40), nullable=False),
     Column("request_id", String(64), nullable=False),
@@ -85,7 +89,7 @@ calls = Table(
     Column("response_ids", LargeBinary, nullable=False),
     Column("response_logprobs", LargeBinary, nullable=False),
     Column("finish_reason", String(16), nullable=False),
-    Column("parent_call_id", Integer),
+    Column("parent_call_id", CallId),
     Column("prefix_reused", Boolean, nullable=False),
     Column("prefix_mismatch", String(64)),
     # Digests of the conversation before and after this call; how a later turn finds its parent.
@@ -96,12 +100,15 @@ calls = Table(
     Column("finished_at", Float, nullable=False),
     Column("request_body", JSON, nullable=False),
     Column("response_body", JSON, nullable=False),
-    # What of the request the prompt left out, and why (a tool type the model cannot run, ...);
-    # added after the first stores were made: Store.open adds it to an older store.
+    # What of the request the prompt left out, and why (a tool type the model cannot run, ...).
     Column("notes", JSON),
     # Digest of the turns after this call's reply, without system messages and tools
-    # (Conversation.turns_chain): tells a changed system prompt from a rewritten history. Added later.
+    # (Conversation.turns_chain): tells a changed system prompt from a rewritten history.
     Column("turns_digest", String(32)),
+    # A continuation (prefix_reused) stores only what its prompt adds: its first `prompt_prefix` tokens
+    # are its parent's prompt and response, and `prompt_ids` holds the rest, so an attempt's storage
+    # grows with its conversation, not its square. Null: `prompt_ids` is the whole prompt.
+    Column("prompt_prefix", Integer),
     Index("ix_calls_attempt", "attempt_id", "id"),
     Index("ix_calls_reply", "attempt_id", "reply_digest"),
     Index("ix_calls_request", "attempt_id", "request_digest"),
@@ -114,4 +121,23 @@ model_versions = Table(
     Column("engines", JSON, nullable=False),
     Column("active", Boolean, nullable=False),
     Column("created_at", Float, nullable=False),
+)
+
+# Counters handed out under a row lock held until commit (`UPDATE ... RETURNING`): `finish_seq` numbers
+# the export stream, `created_seq` the claim order. A transaction takes its number only after the one
+# before it committed, so an exporter never sees number n+1 before n, whichever process wrote them.
+counters = Table(
+    "counters",
+    metadata,
+    Column("name", String(32), primary_key=True),
+    Column("value", BigInteger, nullable=False),
+)
+
+# One row per migration applied (migrations.py): the store's schema version is the highest.
+schema_version = Table(
+    "schema_version",
+    metadata,
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("name", Text, nullable=False),
+    Column("applied_at", Float, nullable=False),
 )

@@ -11,7 +11,10 @@ Children of TrainingRun `<run>` (all in the run's namespace, all with the recomm
 - ConfigMap `<run>-config` (key `run.yaml`): the TrainingRun, its RolloutPool and HarnessSpec as one
   spec file, the file the trainer reads (the same format `inharness run` takes locally).
 - PersistentVolumeClaim `<run>-gateway-store`, Deployment + Service `<run>-gateway`: the gateway, its
-  SQLite store on the claim (so suspend and pod restarts keep every recorded call).
+  SQLite store on the claim (so suspend and pod restarts keep every recorded call), one pod replaced
+  by Recreate. With `spec.gateway.store.urlSecret` there is no claim: the gateway reads the PostgreSQL
+  URL from that Secret key as an env var (`secretKeyRef`: the URL never appears in the objects),
+  `spec.gateway.replicas` pods share the database and roll over one by one.
 - StatefulSet + headless Service `<run>-trainer`: the trainer and its engine (port 8001), Ray-ready
   ports, GPUs as `nvidia.com/gpu`, /dev/shm as a memory emptyDir, a `work` claim for checkpoints.
   Engine torch: one pod. Engine verl: `spec.trainer.nodes` pods, one Ray cluster (`ray_args`): pod 0
@@ -52,6 +55,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from inharness.cli import GATEWAY_ENV_PREFIX
 from inharness.engine import DEFAULT_PORT as ENGINE_DEFAULT_PORT
 from inharness.gateway.settings import DEFAULT_PORT as GATEWAY_DEFAULT_PORT
 from inharness.operator.api import API_VERSION
@@ -90,6 +94,7 @@ CONFIG_KEY = "run.yaml"
 CONFIG_DIR = "/etc/inharness"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
 STORE_DIR = "/var/lib/inharness/store"
+STORE_ENV = f"{GATEWAY_ENV_PREFIX}STORE"  # the gateway's `store` setting, as an env var
 TRAINER_DIR = "/var/lib/inharness/trainer"
 
 CONFIG_HASH_ANNOTATION = "inharness.dev/config-sha256"
@@ -330,7 +335,8 @@ def render_children(
         },
     ]
     gw_overrides = overrides_of(run.spec.gateway.pod)
-    if "store" not in user_volume_names(gw_overrides):
+    sqlite = run.spec.gateway.store.url_secret is None
+    if sqlite and "store" not in user_volume_names(gw_overrides):
         out.append(_store_claim(meta(store_claim_name(name), "gateway"), settings))
     gw_meta = meta(gateway_name(name), "gateway")
     out.append(_gateway_service(name, gw_meta))
@@ -374,15 +380,16 @@ def _gateway_service(run: str, meta: Obj) -> Obj:
 
 
 def _gateway_args(run: TrainingRun, harness: HarnessSpec, pool: RolloutPool) -> list[str]:
-    """`inharness gateway` flags: the model, the engine of trainer replica 0, the store on the claim."""
+    """`inharness gateway` flags: the model, the engine of trainer replica 0, the SQLite store on the
+    claim (a PostgreSQL store comes as an env var instead: `_gateway_deployment`)."""
+    sqlite = run.spec.gateway.store.url_secret is None
     return [
         "gateway",
         "--model",
         resolve_path(run.spec.model.path),
         "--engine",
         engine_url(run.metadata.name),
-        "--store",
-        f"sqlite:///{STORE_DIR}/gateway.db",
+        *(["--store", f"sqlite:///{STORE_DIR}/gateway.db"] if sqlite else []),
         "--host",
         "0.0.0.0",
         "--port",
@@ -405,37 +412,41 @@ def _gateway_deployment(
     token_hash: str,
 ) -> Obj:
     name = run.metadata.name
+    url_secret = run.spec.gateway.store.url_secret
+    env: list[Obj] = [{"name": "HOME", "value": "/tmp"}]
+    mounts: list[Obj] = [{"name": "tmp", "mountPath": "/tmp"}, _secrets_mount()]
+    volumes: list[Obj] = [{"name": "tmp", "emptyDir": {}}, _secrets_volume(name)]
+    if url_secret is None:
+        mounts.insert(0, {"name": "store", "mountPath": STORE_DIR})
+        volumes.insert(0, {"name": "store", "persistentVolumeClaim": {"claimName": store_claim_name(name)}})
+        # One SQLite writer on a ReadWriteOnce claim: the old pod goes before the new one starts.
+        strategy: Obj = {"type": "Recreate"}
+    else:
+        selector = {"name": url_secret.name, "key": url_secret.key}
+        env.append({"name": STORE_ENV, "valueFrom": {"secretKeyRef": selector}})
+        # Pods share the database: a new one is ready (its migrations applied) before an old one goes.
+        strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     container: Obj = {
         "name": "gateway",
         "image": run.spec.gateway.image or settings.gateway_image,
         "command": ["inharness"],
         "args": _gateway_args(run, harness, pool),
         "workingDir": WORKSPACE,
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        "env": env,
         "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "resources": merge_resources(GATEWAY_RESOURCES, None),
-        "volumeMounts": [
-            {"name": "store", "mountPath": STORE_DIR},
-            {"name": "tmp", "mountPath": "/tmp"},
-            _secrets_mount(),
-        ],
+        "volumeMounts": mounts,
         "startupProbe": http_probe("/healthz", "http", period=5, failures=60),
         "readinessProbe": http_probe("/healthz", "http", period=10, failures=3),
         "livenessProbe": http_probe("/healthz", "http", period=20, failures=3, timeout=5),
     }
-    volumes = [
-        {"name": "store", "persistentVolumeClaim": {"claimName": store_claim_name(name)}},
-        {"name": "tmp", "emptyDir": {}},
-        _secrets_volume(name),
-    ]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": meta,
         "spec": {
-            "replicas": 0 if run.spec.suspend else 1,
-            # One SQLite writer on a ReadWriteOnce claim: the old pod goes before the new one starts.
-            "strategy": {"type": "Recreate"},
+            "replicas": 0 if run.spec.suspend else run.spec.gateway.replicas,
+            "strategy": strategy,
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector_labels(name, "gateway")},
             "template": {
