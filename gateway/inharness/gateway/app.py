@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -11,6 +12,7 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -18,7 +20,13 @@ from starlette.responses import Response
 from inharness.gateway import control
 from inharness.gateway.calls import CallService
 from inharness.gateway.engines import EnginePool
-from inharness.gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from inharness.gateway.errors import (
+    APIError,
+    api_error_handler,
+    error_response,
+    http_error_handler,
+    validation_error_handler,
+)
 from inharness.gateway.metrics import GatewayMetrics
 from inharness.gateway.progress import ProgressBoard
 from inharness.gateway.prompts import PromptBuilder
@@ -115,7 +123,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.admin_token = settings.admin_token
+    app.state.admin_token_digest = hashlib.sha256(settings.admin_token.encode()).digest()
     app.state.progress = ProgressBoard()
     app.state.served_model_name = settings.served_model_name or Path(settings.model).name
     app.add_exception_handler(APIError, api_error_handler)
@@ -128,6 +136,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(harness_api.router, prefix="/t/{token}")
     app.include_router(control.router)
 
+    app.add_exception_handler(Exception, _server_error)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+
     @app.get("/healthz")
     async def healthz() -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")
@@ -139,6 +150,74 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _server_error(_req: Request, _exc: Exception) -> Response:
+    """A 500 outside any route class (those answer theirs in their protocol's format)."""
+    return error_response(500, "the gateway failed to answer this request; its log says why")
+
+
+_ERROR_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    },
+    "AnthropicError": {
+        "type": "object",
+        "required": ["type", "error"],
+        "properties": {
+            "type": {"const": "error"},
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            },
+        },
+    },
+}
+_ERRORS = {
+    "400": "the request is invalid (a bad body is 400, never 422)",
+    "401": "no valid key: the attempt's key on harness routes, the admin token on /api/v1",
+    "413": "the body exceeds --max-request-bytes",
+    "default": "any other error, in the same format",
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document with the gateway's errors as it answers them: a body that fails validation
+    is a 400 (FastAPI would promise 422), every error in its protocol's format (Anthropic's on
+    /v1/messages routes, OpenAI's elsewhere)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    schemas.update(_ERROR_SCHEMAS)
+    for path, operations in doc["paths"].items():
+        if path in ("/healthz", "/metrics") or path.endswith("/v1/models"):  # no key, no body
+            continue
+        ref = "AnthropicError" if "/v1/messages" in path else "Error"
+        content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
+        for op in operations.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for status, what in _ERRORS.items():
+                responses.setdefault(status, {"description": what, "content": content})
+    app.openapi_schema = doc
+    return doc
 
 
 async def _sweep_leases(store: Store, metrics: GatewayMetrics, every: float) -> None:

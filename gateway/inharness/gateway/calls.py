@@ -3,13 +3,19 @@
 Protocol adapters build a `Conversation` and `Sampling`, open `CallService.call(...)`, read the
 engine's tokens through it, and hand back the reply they rendered; the call is recorded (durably)
 before the adapter answers the harness.
+
+Which calls are recorded (docs/gateway.md, "What is recorded"): a call is recorded iff its whole
+answer was generated while its harness was still connected and its attempt still running, and the
+record is committed before the answer's last bytes are handed to the transport (so that the next
+turn always finds it). Otherwise it is dropped, counted in `inharness_gateway_calls_dropped` by
+reason: the trainer learns only from answers an agent can have acted on.
 """
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from inharness.gateway.conversation import Conversation, Message, extend_digest
@@ -85,6 +91,17 @@ class Output:
     stopped_by_string: bool = False
 
 
+# Why a generated call was not recorded (the `reason` of inharness_gateway_calls_dropped).
+CLIENT_GONE = "client_gone"  # the harness disconnected (timed out, left a serving pause) before its answer
+ATTEMPT_ENDED = "attempt_ended"  # the attempt completed, was released or lost its lease while the call ran
+MAX_CACHED_KEYS = 65_536
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
+
+
+async def _connected() -> bool:
+    return False
+
+
 @dataclass(slots=True)
 class CallContext:
     service: "CallService"
@@ -102,13 +119,18 @@ class CallContext:
     started_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     served: Served | None = None
+    client_gone: Callable[[], Awaitable[bool]] = _connected
+    recorded: bool = False
+    dropped: str | None = None
 
     def engine_body(self) -> dict[str, Any]:
         s = self.sampling
         body: dict[str, Any] = {
             "prompt": self.prompt.ids,
             "max_tokens": self.max_tokens,
-            "temperature": s.temperature,
+            # A temperature this close to 0 divides logits into infinities (an engine error that
+            # would be retried as if transient); it means greedy, as vLLM reads it too.
+            "temperature": 0.0 if s.temperature < GREEDY_BELOW else s.temperature,
             "top_p": s.top_p,
             "n": s.n,
             "stop_token_ids": self.service.stop_token_ids,
@@ -153,8 +175,14 @@ class CallContext:
     async def record(
         self, outputs: list[Output], replies: list[Message], response_body: dict[str, Any]
     ) -> None:
-        """Durably record every choice; only then may the adapter answer the harness."""
+        """Durably record every choice; only then may the adapter answer the harness. An APIError
+        instead when the call is dropped (module docstring): its harness left (499) or its attempt
+        ended (403)."""
         svc = self.service
+        if await self.client_gone():
+            raise svc.dropped(self, CLIENT_GONE)
+        if not await svc.running(self.auth.id):
+            raise svc.dropped(self, ATTEMPT_ENDED)
         now = time.time()
         served = self.served or Served(self.version, "")
         records = [
@@ -187,6 +215,7 @@ class CallContext:
             for o, reply in zip(outputs, replies, strict=True)
         ]
         await svc.store.record_calls(records)
+        self.recorded = True
         for rec, o in zip(records, outputs, strict=True):
             assert rec.id is not None
             svc.prompts.remember(
@@ -231,7 +260,10 @@ class CallService:
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.stop_token_ids = stop_token_ids
+        # Keys of running attempts as last read from the store, trusted until the lease they carry
+        # passes; every path that moves a lease or ends an attempt here updates or forgets them.
         self._auth: dict[str, AttemptAuth] = {}
+        self._token_of: dict[str, str] = {}  # attempt id -> its key
 
     async def authenticate(self, token: str | None) -> AttemptAuth:
         if not token:
@@ -250,21 +282,55 @@ class CallService:
             )
         if auth.status != "running":
             self._auth.pop(token, None)
+            self._token_of.pop(auth.id, None)
+            state = "past its lease" if auth.status == "expired" else auth.status
             raise APIError(
-                403,
-                f"attempt {auth.id} is {auth.status}; its key no longer serves calls",
-                code="attempt_finished",
+                403, f"attempt {auth.id} is {state}; its key no longer serves calls", code="attempt_finished"
             )
-        if len(self._auth) > 65_536:
-            self._auth.clear()
+        while len(self._auth) >= MAX_CACHED_KEYS:  # the oldest key is read from the store again
+            del self._auth[next(iter(self._auth))]
+        while len(self._token_of) >= 4 * MAX_CACHED_KEYS:  # ids are small; attempts end unseen
+            del self._token_of[next(iter(self._token_of))]
         self._auth[token] = auth
+        self._token_of[auth.id] = token
         return auth
+
+    async def running(self, attempt_id: str) -> bool:
+        """Whether the attempt still runs with a live lease (as `authenticate` would let its key in)."""
+        token = self._token_of.get(attempt_id)
+        if token is None:  # forgotten: it ended here (or 262,144 newer attempts called since)
+            return False
+        try:
+            await self.authenticate(token)
+        except APIError:
+            return False
+        return True
+
+    def lease_renewed(self, attempt_id: str, lease_expires_at: float) -> None:
+        """A heartbeat moved the attempt's lease (later or earlier): its cached key follows."""
+        token = self._token_of.get(attempt_id)
+        cached = None if token is None else self._auth.get(token)
+        if token is not None and cached is not None:
+            self._auth[token] = replace(cached, lease_expires_at=lease_expires_at)
 
     def forget_attempt(self, attempt_id: str) -> None:
         """An attempt ended: its key stops working here at once, and its prompt cache goes."""
-        for token in [t for t, a in self._auth.items() if a.id == attempt_id]:
-            del self._auth[token]
+        token = self._token_of.pop(attempt_id, None)
+        if token is not None:
+            self._auth.pop(token, None)
         self.prompts.forget(attempt_id)
+
+    def dropped(self, ctx: CallContext, reason: str) -> APIError:
+        """Count a generated call that is not recorded, and the error its harness gets, if still there."""
+        ctx.dropped = reason
+        self.metrics.calls_dropped.labels(reason).inc()
+        if reason == CLIENT_GONE:
+            return APIError(499, "the client left before its answer; the call is not recorded")
+        return APIError(
+            403,
+            f"attempt {ctx.auth.id} ended while this call ran; its answer is not recorded",
+            code="attempt_finished",
+        )
 
     @asynccontextmanager
     async def call(
@@ -278,11 +344,17 @@ class CallService:
         request_body: dict[str, Any],
         id_prefix: str = "chatcmpl-",
         notes: tuple[str, ...] = (),
+        client_gone: Callable[[], Awaitable[bool]] = _connected,
     ) -> AsyncIterator[CallContext]:
         """Admit a call (waiting out a serving pause), build its prompt and check that it fits.
         `id_prefix` starts the protocol's id of the answer (also the recorded request id); `notes`
-        say what of the request the prompt leaves out, and are recorded with the call."""
+        say what of the request the prompt leaves out, and are recorded with the call;
+        `client_gone` tells whether the harness has disconnected (then nothing is generated for it
+        after a pause, and nothing recorded)."""
         async with self.gate.admit():
+            if await client_gone():
+                self.metrics.calls_dropped.labels(CLIENT_GONE).inc()
+                raise APIError(499, "the client left while its call was held; nothing was generated")
             if self.pool.active is None:
                 raise APIError(503, "no model version is active on this gateway", code="no_active_model")
             chain = conv.digest_chain()
@@ -310,6 +382,7 @@ class CallService:
                 request_body=request_body,
                 request_id=id_prefix + uuid.uuid4().hex,
                 notes=notes,
+                client_gone=client_gone,
             )
 
     def engine_error(self, exc: NoEngineAvailable | EngineRejected) -> APIError:

@@ -113,6 +113,15 @@ class GatewayClient:
         )
         return schema.AttemptOut.model_validate_json(r.content)
 
+    async def heartbeat_batch(
+        self, attempt_ids: Sequence[str], lease_seconds: float | None = None
+    ) -> list[schema.LeaseRenewal]:
+        """Renew many leases in one request (at most `schema.MAX_HEARTBEAT_BATCH` ids): one answer per
+        id, in order, saying whether its lease was renewed or why not."""
+        body = schema.HeartbeatBatchRequest(attempt_ids=list(attempt_ids), lease_seconds=lease_seconds)
+        r = await self._call("POST", "/api/v1/attempts/heartbeat-batch", body.model_dump(mode="json"))
+        return schema.HeartbeatBatchResponse.model_validate_json(r.content).attempts
+
     async def complete(
         self,
         attempt_id: str,

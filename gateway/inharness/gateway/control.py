@@ -2,30 +2,33 @@
 leases, recorded calls and their export, model versions, pause/resume of serving, and the trainer's
 progress."""
 
-import secrets
+import hashlib
+import hmac
 from collections.abc import AsyncIterator
 
 import orjson
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from starlette.responses import Response, StreamingResponse
 
 from inharness.gateway import schema
 from inharness.gateway.calls import CallService
-from inharness.gateway.errors import APIError
+from inharness.gateway.errors import APIError, error_response, protocol_route
 from inharness.gateway.progress import ProgressBoard
 from inharness.gateway.store import Conflict, NotFound, Store
 
 
-def require_admin(request: Request) -> None:
+async def require_admin(request: Request) -> None:
+    """The control API's check, before any body is read (`errors.protocol_route`); constant-time."""
     scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    expected: str = request.app.state.admin_token
-    if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip().encode(), expected.encode()):
+    expected: bytes = request.app.state.admin_token_digest
+    given = hashlib.sha256(value.strip().encode()).digest()  # equal lengths: the time tells nothing
+    if not hmac.compare_digest(given, expected) or scheme.lower() != "bearer":
         raise APIError(
             401, "the control API needs 'Authorization: Bearer <admin token>'", code="invalid_admin_token"
         )
 
 
-router = APIRouter(prefix="/api/v1", dependencies=[Depends(require_admin)])
+router = APIRouter(prefix="/api/v1", route_class=protocol_route(error_response, authenticate=require_admin))
 
 
 def _store(request: Request) -> Store:
@@ -91,8 +94,25 @@ async def heartbeat(
     except NotFound as exc:
         raise APIError(404, str(exc)) from None
     except Conflict as exc:
+        _calls(request).forget_attempt(attempt_id)
         raise APIError(409, str(exc), code="attempt_not_running") from None
+    _calls(request).lease_renewed(attempt_id, out.lease_expires_at)
     return _json(out)
+
+
+@router.post("/attempts/heartbeat-batch", response_model=schema.HeartbeatBatchResponse)
+async def heartbeat_batch(request: Request, body: schema.HeartbeatBatchRequest) -> Response:
+    """Renew up to MAX_HEARTBEAT_BATCH leases in one request and one transaction; each id is answered
+    renewed, finished, expired or unknown (never an error for one id), so that a controller's
+    requests per attempt do not grow with how long its harnesses run."""
+    renewals = await _store(request).heartbeat_many(body.attempt_ids, body.lease_seconds)
+    calls = _calls(request)
+    for r in renewals:
+        if r.lease == "renewed" and r.lease_expires_at is not None:
+            calls.lease_renewed(r.id, r.lease_expires_at)
+        else:
+            calls.forget_attempt(r.id)
+    return _json(schema.HeartbeatBatchResponse(attempts=renewals))
 
 
 @router.post("/attempts/{attempt_id}/complete", response_model=schema.CompleteResponse)

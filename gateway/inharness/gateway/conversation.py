@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import orjson
 from jsonschema import Draft202012Validator, SchemaError
 
 TURNS_ROOT = "turns"  # where a turns chain (Conversation.turns_chain) starts
@@ -63,6 +64,12 @@ class Message:
 class Conversation:
     messages: tuple[Message, ...]
     tools: tuple[dict[str, Any], ...] = field(default=())  # `function_tool` definitions
+
+    def size(self) -> int:
+        """Characters of text the chat template will render (messages, tool-call arguments, tools):
+        how much CPU building its prompt costs."""
+        text = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in self.messages)
+        return text + len(json.dumps(self.tools)) if self.tools else text
 
     def template_messages(self, upto: int | None = None) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages[:upto]]
@@ -132,14 +139,17 @@ def _digest(prev: str, item: str) -> str:
 
 
 def _canonical_json(text: str) -> str:
+    """Tool-call arguments with their keys sorted, if they are JSON (orjson's reading: no NaN, no lone
+    surrogate, which could not be hashed as UTF-8), else the text as it is."""
     try:
-        return json.dumps(json.loads(text), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    except ValueError:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
         return text
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def _arguments_for_template(text: str) -> Any:
     try:
-        return json.loads(text)
-    except ValueError:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
         return text

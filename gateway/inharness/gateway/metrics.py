@@ -32,6 +32,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.calls_dropped = Counter(
+            "inharness_gateway_calls_dropped",
+            "Harness calls admitted but not recorded, since their harness cannot have received the "
+            "answer (client_gone) or their attempt ended while they ran (attempt_ended)",
+            ["reason"],
+            registry=r,
+        )
         self.engine_errors = Counter(
             "inharness_gateway_engine_errors", "Calls no engine could answer", registry=r
         )

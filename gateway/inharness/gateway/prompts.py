@@ -23,11 +23,16 @@ An attempt's first call is a root without a reason; so is a conversation asked a
 (the same prompt as before).
 """
 
+import asyncio
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from inharness.gateway.conversation import TURNS_ROOT, Conversation
+from inharness.gateway.errors import APIError
 from inharness.gateway.store import ParentCall, Store
 
 # Why a call does not continue an earlier call of its attempt token-exactly (see the module docstring).
@@ -35,6 +40,13 @@ NEW_CONVERSATION = "new_conversation"  # no assistant turn: a sub-agent's or sid
 SYSTEM_CHANGED = "system_changed"  # the turns extend an earlier reply; the system prompt or tools differ
 HISTORY_REWRITTEN = "history_rewritten"  # assistant turns that extend no earlier reply
 TEMPLATE_NOT_PREFIX = "template_not_prefix"  # the chat template re-renders the history differently
+
+
+# A conversation longer than this is rendered and tokenised on the builder's worker thread, not on
+# the event loop: a 100k-token prompt takes a second or more of CPU that would stall every other
+# request (and /healthz). Shorter ones stay on the loop, where they cost less than a thread hop.
+OFF_LOOP_CHARS = 32_768
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +78,24 @@ class PromptBuilder:
         eos = tokenizer.eos_token
         self._eos_text: str = eos if isinstance(eos, str) else ""
         self._fast = fast_encoder(tokenizer)
+        # One thread: large prompts are built one at a time, so that their memory stays bounded too.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-builder")
+
+    async def _cpu(self, conv: Conversation, fn: Callable[[], T]) -> T:
+        """`fn()`, on the worker thread when `conv` is large (OFF_LOOP_CHARS)."""
+        if conv.size() < OFF_LOOP_CHARS:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn)
+
+    async def first_turn_ids(self, conv: Conversation) -> list[int]:
+        """The prompt ids of `conv` asked as a first turn (no earlier call to extend)."""
+        return await self._cpu(conv, lambda: self.encode(self.render(conv, generation_prompt=True)))
 
     def render(self, conv: Conversation, upto: int | None = None, *, generation_prompt: bool) -> str:
+        if not conv.messages:  # e.g. every block of an Anthropic request was one the prompt leaves out
+            raise APIError(
+                400, "the request holds no message the model can read", param="messages", code="empty_prompt"
+            )
         return self._tok.apply_chat_template(
             conv.template_messages(upto),
             tools=list(conv.tools) or None,
@@ -86,7 +114,7 @@ class PromptBuilder:
         turns = conv.turns_chain()
         turns_tip = turns[-1][1] if turns else TURNS_ROOT
         n = len(conv.messages)
-        full = self.render(conv, generation_prompt=True)
+        full = await self._cpu(conv, partial(self.render, conv, generation_prompt=True))
 
         # Longest earlier conversation that this one extends by at least one new message.
         for j in range(n - 1, 0, -1):
@@ -95,11 +123,11 @@ class PromptBuilder:
             parent = await self._parent(attempt_id, known, known.replies[chain[j]], chain[j])
             if parent is None:
                 break
-            delta = self._delta_text(conv, j, full, parent)
+            delta = await self._cpu(conv, partial(self._delta_text, conv, j, full, parent))
             if delta is None:
-                ids = self.encode(full)
+                ids = await self._cpu(conv, partial(self.encode, full))
                 return BuiltPrompt(ids, request_digest, parent.id, False, TEMPLATE_NOT_PREFIX, turns_tip)
-            ids = parent.prompt_ids + parent.response_ids + self.encode(delta)
+            ids = parent.prompt_ids + parent.response_ids + await self._cpu(conv, partial(self.encode, delta))
             return BuiltPrompt(ids, request_digest, parent.id, True, None, turns_tip)
 
         if request_digest in known.requests:  # the same conversation asked again: the same prompt
@@ -107,7 +135,8 @@ class PromptBuilder:
             if same is not None:
                 return BuiltPrompt(same, request_digest, None, False, None, turns_tip)
         reason = root_reason(conv, turns, known.turns) if known.replies else None
-        return BuiltPrompt(self.encode(full), request_digest, None, False, reason, turns_tip)
+        ids = await self._cpu(conv, partial(self.encode, full))
+        return BuiltPrompt(ids, request_digest, None, False, reason, turns_tip)
 
     def remember(
         self,

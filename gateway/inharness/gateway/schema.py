@@ -16,10 +16,17 @@ AttemptStatus = Literal["running", "succeeded", "failed", "released"]
 CompletionStatus = Literal["succeeded", "failed", "released"]
 RELEASED_BY_RUNNER = "released by runner"
 MAX_ROLLOUT_IDS = 100_000
+# Bounds of every integer a request carries (control API and harness protocols alike): the engines,
+# the store's columns and every reader of a recorded request hold 64 bits (a JSON integer beyond
+# them is parsed as a float, which these bounds then refuse).
+MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A control API request: strict, so that a value of another JSON type is refused rather than
+    converted (a boolean is no lease length, a string no number)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class CreateRollouts(_Wire):
@@ -48,9 +55,36 @@ class HeartbeatRequest(_Wire):
     lease_seconds: float | None = Field(default=None, gt=0, le=86_400, description="None: the claimed lease")
 
 
+MAX_HEARTBEAT_BATCH = 1000
+# renewed: the lease runs on; finished: the attempt ended (succeeded, failed, released); expired: its
+# lease passed before this renewal; unknown: no such attempt. Only `renewed` lets a harness run on.
+LeaseState = Literal["renewed", "finished", "expired", "unknown"]
+
+
+class HeartbeatBatchRequest(_Wire):
+    """Renew many leases in one request: a controller with a thousand attempts in flight would
+    otherwise send a thousand heartbeats per interval, however long its harnesses run."""
+
+    attempt_ids: list[str] = Field(min_length=1, max_length=MAX_HEARTBEAT_BATCH)
+    lease_seconds: float | None = Field(
+        default=None, gt=0, le=86_400, description="None: each attempt's claimed lease"
+    )
+
+
+class LeaseRenewal(BaseModel):
+    id: str
+    lease: LeaseState
+    status: AttemptStatus | None = Field(description="the attempt's stored status; None when unknown")
+    lease_expires_at: float | None = Field(description="the (renewed) lease's end; None when unknown")
+
+
+class HeartbeatBatchResponse(BaseModel):
+    attempts: list[LeaseRenewal] = Field(description="one per requested id, in the request's order")
+
+
 class CompleteRequest(_Wire):
     status: CompletionStatus
-    reward: float | None = None
+    reward: float | None = Field(default=None, allow_inf_nan=False)
     info: dict[str, Any] = Field(
         default_factory=dict, description="info['reason']: the failure_reason of a failed or released attempt"
     )
@@ -203,13 +237,13 @@ class ExportedRollout(BaseModel):
 
 
 class RegisterVersion(_Wire):
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_INT64)
     engines: list[str] = Field(min_length=1)
     activate: bool = False
 
 
 class ActivateVersion(_Wire):
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_INT64)
 
 
 class ModelVersionOut(BaseModel):
@@ -249,10 +283,12 @@ class ProgressReport(_Wire):
     does not know its step before it loads its checkpoint, so such a report carries only the Ray
     counts: the gateway keeps the last step report as it was."""
 
-    step: int = Field(ge=0, description="steps done so far")
-    total_steps: int = Field(ge=1)
+    step: int = Field(ge=0, le=MAX_INT64, description="steps done so far")
+    total_steps: int = Field(ge=1, le=MAX_INT64)
     state: ProgressState = "running"
-    reward_mean: float | None = Field(default=None, description="mean reward of the step just done")
+    reward_mean: float | None = Field(
+        default=None, allow_inf_nan=False, description="mean reward of the step just done"
+    )
     message: str | None = Field(default=None, max_length=4096, description="why it failed, for example")
     config_sha256: str | None = Field(
         default=None,
@@ -261,9 +297,14 @@ class ProgressReport(_Wire):
         "recognisable as such",
     )
     ray_nodes: int | None = Field(
-        default=None, ge=0, description="engine verl: Ray nodes with their GPUs that joined the cluster"
+        default=None,
+        ge=0,
+        le=MAX_INT64,
+        description="engine verl: Ray nodes with their GPUs that joined the cluster",
     )
-    ray_nodes_wanted: int | None = Field(default=None, ge=1, description="engine verl: Ray nodes it needs")
+    ray_nodes_wanted: int | None = Field(
+        default=None, ge=1, le=MAX_INT64, description="engine verl: Ray nodes it needs"
+    )
 
 
 class ProgressOut(BaseModel):

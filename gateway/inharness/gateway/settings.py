@@ -7,7 +7,7 @@ so the rest of the gateway sees `admin_token`), the engines' API key only as `en
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 DEFAULT_PORT = 8000
 
@@ -18,7 +18,12 @@ class GatewaySettings(BaseModel):
     )
     engines: list[str] = Field(default_factory=list, description="engine base URLs of the initial version")
     model_version: int = Field(default=0, ge=0, description="version the --engine URLs are registered under")
-    store: str = Field(default="sqlite:///inharness-gateway.db", description="the store's database URL")
+    store: str = Field(
+        default="sqlite:///inharness-gateway.db",
+        description="the store's database URL: sqlite:///PATH (one gateway process), or "
+        "postgresql://USER:PASSWORD@HOST:PORT/DATABASE (several; pass it as an env var, not a flag, "
+        "to keep the password out of the process list); migrated on start",
+    )
     sqlite_synchronous: Literal["normal", "full"] = Field(
         default="normal",
         description="normal: every answered call survives a killed gateway; full: also a power loss (fsync)",
@@ -46,6 +51,28 @@ class GatewaySettings(BaseModel):
     lease_sweep_seconds: float = Field(default=1.0, gt=0, description="how often expired leases are requeued")
     engine_retries: int = Field(default=3, ge=0, le=20, description="retries of a failed engine request")
     engine_timeout_seconds: float = Field(default=600.0, gt=0, description="timeout of one engine request")
+    max_request_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        description="largest request body taken (a larger one is answered 413 unread): a 128k-token "
+        "conversation with its tool schemas fits the default",
+    )
+    request_read_timeout_seconds: float = Field(
+        default=60.0, gt=0, description="a request body not received in full within this is answered 408"
+    )
+
+    @field_validator("store")
+    @classmethod
+    def _store_url_supported(cls, url: str) -> str:
+        """A URL the store cannot open fails here, at start; the message never repeats the URL, which
+        may hold a password."""
+        from inharness.gateway.store.store import StoreError, store_url
+
+        try:
+            store_url(url)
+        except StoreError as exc:
+            raise ValueError(str(exc)) from None
+        return url
 
     @model_validator(mode="before")
     @classmethod

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from inharness.gateway.calls import CallContext, CallService, Sampling
 from inharness.gateway.conversation import Conversation, FunctionCall, Message, function_tool
-from inharness.gateway.errors import APIError, anthropic_error_body, anthropic_error_response, protocol_route
+from inharness.gateway.errors import APIError, anthropic_error_body, anthropic_error_response, parse_json
 from inharness.gateway.protocols.anthropic_models import (
     CountTokensRequest,
     CustomTool,
@@ -29,12 +29,20 @@ from inharness.gateway.protocols.anthropic_models import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from inharness.gateway.protocols.common import CallRequest, ChoiceStream, Chunks, answer, attempt_key, sse
+from inharness.gateway.protocols.common import (
+    CallRequest,
+    ChoiceStream,
+    Chunks,
+    answer,
+    attempt_key,
+    harness_route,
+    sse,
+)
 from inharness.gateway.store import AttemptAuth
 from inharness.gateway.toolcalls import ContentDelta, Event, ToolCall
 
 PROTOCOL = "anthropic.messages"
-router = APIRouter(route_class=protocol_route(anthropic_error_response))
+router = APIRouter(route_class=harness_route(anthropic_error_response, protocol=PROTOCOL))
 
 
 @router.post("/v1/messages")
@@ -61,7 +69,7 @@ async def count_tokens(request: Request, req: CountTokensRequest) -> Response:
     svc: CallService = request.app.state.calls
     await svc.authenticate(attempt_key(request))
     conv, _ = to_conversation(req)
-    ids = svc.prompts.encode(svc.prompts.render(conv, generation_prompt=True))
+    ids = await svc.prompts.first_turn_ids(conv)
     return Response(json.dumps({"input_tokens": len(ids)}), media_type="application/json")
 
 
@@ -113,9 +121,11 @@ def to_conversation(req: CountTokensRequest) -> tuple[Conversation, list[str]]:
 
 
 def _input(call: ToolCall) -> dict[str, Any]:
+    """A tool call's arguments as the `input` object, parsed as strictly as a request body (the
+    model's text may hold NaN, lone surrogates or deep nesting, which no reader could give back)."""
     try:
-        value = json.loads(call.arguments)
-    except ValueError:
+        value = parse_json(call.arguments.encode(errors="surrogatepass"))
+    except APIError:
         value = call.arguments
     return value if isinstance(value, dict) else {"arguments": value}
 
@@ -235,7 +245,11 @@ async def _stream(ctx: CallContext, req: MessagesRequest, chunks: Chunks) -> Asy
         yield event
     stop = _stop(s)
     usage = _usage(ctx, len(s.output.token_ids))
-    await ctx.record([s.output], [s.reply()], {**_message(ctx, blocks.content, stop), "usage": usage})
+    try:
+        await ctx.record([s.output], [s.reply()], {**_message(ctx, blocks.content, stop), "usage": usage})
+    except APIError as exc:  # dropped: the attempt ended while the call ran
+        yield sse(anthropic_error_body(exc.status, exc.message)[1], event="error")
+        return
     yield _event(
         "message_delta",
         delta={"stop_reason": stop[0], "stop_sequence": stop[1]},

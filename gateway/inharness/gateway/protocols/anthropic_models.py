@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from inharness.gateway.conversation import parameters_problem
-from inharness.gateway.protocols.common import OpenModel
+from inharness.gateway.protocols.common import OpenModel, type_tag
+from inharness.gateway.schema import MAX_INT64, MIN_INT64
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -73,7 +74,7 @@ _BLOCK_KINDS = {"text", "image", "document", "tool_use", "tool_result", "thinkin
 
 
 def _block_kind(v: Any) -> str:
-    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    kind = type_tag(v)
     if kind in ("image", "document"):
         return "media"
     return kind if kind in _BLOCK_KINDS else "other"
@@ -128,7 +129,7 @@ class OtherTool(OpenModel):
 
 
 def _tool_kind(v: Any) -> str:
-    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    kind = type_tag(v)
     return "custom" if kind in (None, "custom") else "other"
 
 
@@ -172,12 +173,13 @@ class CountTokensRequest(OpenModel):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, le=MAX_INT64)
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_INT64)
     stop_sequences: list[str] | None = None
-    seed: int | None = None  # not in Anthropic's API; the gateway's engines take it
+    # not in Anthropic's API; the gateway's engines take it
+    seed: int | None = Field(default=None, ge=MIN_INT64, le=MAX_INT64)
     stream: bool = False
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None

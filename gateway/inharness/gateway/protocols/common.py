@@ -14,12 +14,13 @@ from typing import Any
 
 import orjson
 from fastapi import Request
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response, StreamingResponse
 
-from inharness.gateway.calls import CallContext, CallService, Output, Sampling, TextDecoder
+from inharness.gateway.calls import CLIENT_GONE, CallContext, CallService, Output, Sampling, TextDecoder
 from inharness.gateway.conversation import Conversation, FunctionCall, Message
-from inharness.gateway.errors import APIError
+from inharness.gateway.errors import APIError, ErrorFormat, error_response, protocol_route
 from inharness.gateway.store import AttemptAuth
 from inharness.gateway.toolcalls import ContentDelta, Event, ToolCall, ToolCallParser
 
@@ -31,6 +32,34 @@ class OpenModel(BaseModel):
     so that the recorded request is what the harness sent."""
 
     model_config = ConfigDict(extra="allow")
+
+
+def harness_route(fmt: ErrorFormat = error_response, *, protocol: str | None = None) -> type[APIRoute]:
+    """The route class of a harness-facing router: errors in `fmt`, and the attempt's key checked
+    before a byte of the body is read (`errors.protocol_route`; GET routes need none). A refused
+    key counts in the request metrics under `protocol`; the endpoint authenticates again, from the
+    key cache."""
+
+    async def authenticate(request: Request) -> None:
+        if request.method == "GET":
+            return
+        svc: CallService = request.app.state.calls
+        try:
+            await svc.authenticate(attempt_key(request))
+        except APIError as exc:
+            if protocol is not None:
+                svc.metrics.requests.labels(protocol, str(exc.status)).inc()
+            raise
+
+    return protocol_route(fmt, authenticate=authenticate)
+
+
+def type_tag(value: Any, missing: str | None = None) -> str | None:
+    """The `type` of a union member as a discriminator reads it, from a dict or a model (`missing`
+    when it has none); "" when it is no string (a hostile `{"type": []}`), so that such a value
+    fails validation as the "other" member instead of failing the discriminator itself (a 500)."""
+    kind = value.get("type", missing) if isinstance(value, dict) else getattr(value, "type", missing)
+    return kind if isinstance(kind, str) or kind is missing else ""
 
 
 def attempt_key(request: Request) -> str | None:
@@ -92,6 +121,7 @@ async def answer(
             request_body=call.request_body,
             id_prefix=id_prefix,
             notes=call.notes,
+            client_gone=request.is_disconnected,
         )
         if stream:
             stack = AsyncExitStack()
@@ -103,7 +133,7 @@ async def answer(
                 raise
             status = "ok"
             return StreamingResponse(
-                _closing(streamed(ctx, chunks), stack, svc, protocol, started),
+                _closing(streamed(ctx, chunks), stack, ctx, protocol, started),
                 media_type="text/event-stream",
             )
         async with opened as ctx:
@@ -120,14 +150,22 @@ async def answer(
 
 
 async def _closing(
-    events: AsyncIterator[bytes], stack: AsyncExitStack, svc: CallService, protocol: str, started: float
+    events: AsyncIterator[bytes], stack: AsyncExitStack, ctx: CallContext, protocol: str, started: float
 ) -> AsyncIterator[bytes]:
+    """The stream's events, then the call's exit; a stream cut off by its client (the transport
+    stops asking for events) before the call was recorded counts as dropped (calls.CLIENT_GONE)."""
+    metrics = ctx.service.metrics
     try:
         async for event in events:
             yield event
+    except BaseException:
+        if not ctx.recorded and ctx.dropped is None:
+            ctx.dropped = CLIENT_GONE
+            metrics.calls_dropped.labels(CLIENT_GONE).inc()
+        raise
     finally:
         await stack.aclose()
-        svc.metrics.latency.labels(protocol).observe(time.perf_counter() - started)
+        metrics.latency.labels(protocol).observe(time.perf_counter() - started)
 
 
 def reply_message(content: str | None, calls: list[ToolCall]) -> Message:

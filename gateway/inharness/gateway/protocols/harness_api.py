@@ -12,10 +12,10 @@ from starlette.responses import Response
 from inharness.gateway import schema
 from inharness.gateway.calls import CallService
 from inharness.gateway.errors import APIError
-from inharness.gateway.protocols.common import attempt_key
+from inharness.gateway.protocols.common import attempt_key, harness_route
 from inharness.gateway.store import Conflict, NotFound
 
-router = APIRouter()
+router = APIRouter(route_class=harness_route())
 
 
 @router.post("/v1/inharness/reward", status_code=200, response_model=schema.PostedRewardOut)

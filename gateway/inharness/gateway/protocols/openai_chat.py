@@ -14,13 +14,21 @@ from starlette.responses import Response
 from inharness.gateway.calls import CallContext, CallService, Output, Sampling
 from inharness.gateway.conversation import Conversation, FunctionCall, Message
 from inharness.gateway.errors import APIError, error_body
-from inharness.gateway.protocols.common import CallRequest, ChoiceStream, Chunks, answer, decode, sse
+from inharness.gateway.protocols.common import (
+    CallRequest,
+    ChoiceStream,
+    Chunks,
+    answer,
+    decode,
+    harness_route,
+    sse,
+)
 from inharness.gateway.protocols.openai_models import ChatCompletionRequest
 from inharness.gateway.store import AttemptAuth
 from inharness.gateway.toolcalls import ContentDelta, ToolCall
 
 PROTOCOL = "openai.chat"
-router = APIRouter()
+router = APIRouter(route_class=harness_route(protocol=PROTOCOL))
 
 
 def to_conversation(req: ChatCompletionRequest) -> Conversation:
@@ -178,7 +186,11 @@ async def _stream(
         yield sse(error_body(exc.status, exc.message, code=exc.code))
         return
     outputs = [s.output for s in states]
-    await ctx.record(outputs, [s.reply() for s in states], _assembled(ctx, states, outputs))
+    try:
+        await ctx.record(outputs, [s.reply() for s in states], _assembled(ctx, states, outputs))
+    except APIError as exc:  # dropped: the attempt ended while the call ran
+        yield sse(error_body(exc.status, exc.message, code=exc.code))
+        return
     for s in states:
         yield chunk(s.output.index, {}, finish=_finish(s.output, bool(s.tool_calls)))
     if req.stream_options and req.stream_options.include_usage:

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from inharness.gateway.conversation import parameters_problem
 from inharness.gateway.protocols.common import OpenModel
+from inharness.gateway.schema import MAX_INT64, MIN_INT64
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -105,11 +106,11 @@ class ChatCompletionRequest(OpenModel):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64)
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_INT64, le=MAX_INT64)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False

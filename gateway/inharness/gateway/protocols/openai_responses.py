@@ -21,7 +21,7 @@ from starlette.responses import Response
 from inharness.gateway.calls import CallContext, Sampling
 from inharness.gateway.conversation import Conversation, FunctionCall, Message, function_tool
 from inharness.gateway.errors import APIError
-from inharness.gateway.protocols.common import CallRequest, ChoiceStream, Chunks, answer, sse
+from inharness.gateway.protocols.common import CallRequest, ChoiceStream, Chunks, answer, harness_route, sse
 from inharness.gateway.protocols.openai_responses_models import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -36,7 +36,7 @@ from inharness.gateway.store import AttemptAuth, Store
 from inharness.gateway.toolcalls import ContentDelta, Event, ToolCall
 
 PROTOCOL = "openai.responses"
-router = APIRouter()
+router = APIRouter(route_class=harness_route(protocol=PROTOCOL))
 _ITEMS = TypeAdapter(list[InputItem])
 # How many responses a previous_response_id chain may reach back (one store read each).
 MAX_CHAIN = 1000
@@ -318,13 +318,22 @@ async def _stream(ctx: CallContext, req: ResponsesRequest, chunks: Chunks) -> As
         async for _, ids, lps, finish in chunks:
             for event in items.feed(s.events(ids, lps, finish)):
                 yield event
-    except APIError as exc:  # OpenAI's error event; the SDK raises what `error` says
-        error = {"code": exc.code, "message": exc.message, "param": exc.param}
-        yield items.event("error", error={"type": "server_error", **error}, **error)
+    except APIError as exc:
+        yield _error_event(items, exc)
         return
     status = _status(s)
     for event in items.finish(status):
         yield event
     body = _response(ctx, req, status, items.items, _usage(ctx, len(s.output.token_ids)))
-    await ctx.record([s.output], [s.reply()], body)
+    try:
+        await ctx.record([s.output], [s.reply()], body)
+    except APIError as exc:  # dropped: the attempt ended while the call ran
+        yield _error_event(items, exc)
+        return
     yield items.event(f"response.{status}", response=body)
+
+
+def _error_event(items: "_OutputItems", exc: APIError) -> bytes:
+    """OpenAI's error event; the SDK raises what `error` says."""
+    error = {"code": exc.code, "message": exc.message, "param": exc.param}
+    return items.event("error", error={"type": "server_error", **error}, **error)

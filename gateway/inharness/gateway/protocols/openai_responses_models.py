@@ -9,8 +9,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, model_validator
 
-from inharness.gateway.protocols.common import OpenModel
+from inharness.gateway.protocols.common import OpenModel, type_tag
 from inharness.gateway.protocols.openai_models import FunctionDef
+from inharness.gateway.schema import MAX_INT64, MIN_INT64
 
 
 class TextPart(OpenModel):
@@ -69,7 +70,7 @@ _ITEM_KINDS = {"message", "function_call", "function_call_output"}
 
 
 def _item_kind(v: Any) -> str:
-    kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
+    kind = type_tag(v, "message")
     return kind if kind in _ITEM_KINDS else "other"
 
 
@@ -96,9 +97,7 @@ class OtherTool(OpenModel):
 
 Tool = Annotated[
     Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
-    Discriminator(
-        lambda v: "function" if (v.get("type") if isinstance(v, dict) else v.type) == "function" else "other"
-    ),
+    Discriminator(lambda v: "function" if type_tag(v) == "function" else "other"),
 ]
 
 
@@ -112,8 +111,9 @@ class ResponsesRequest(OpenModel):
     parallel_tool_calls: bool | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = None  # not in OpenAI's API; the gateway's engines take it
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64)
+    # not in OpenAI's API; the gateway's engines take it
+    seed: int | None = Field(default=None, ge=MIN_INT64, le=MAX_INT64)
     stream: bool = False
     store: bool | None = None
     reasoning: dict[str, Any] | None = None
