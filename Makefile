@@ -90,14 +90,33 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench-gateway: $(STAMP)
-	$(BIN)/python bench/gateway.py
+# LiteLLM's proxy, pinned, in an environment of its own (its dependencies are not the project's; 1.109
+# and 1.110 do not install): bench/gateway.py puts it in front of the same instant engine as the gateway.
+LITELLM_VERSION := 1.108.7
+LITELLM_VENV    := .cache/litellm
+LITELLM_STAMP   := $(LITELLM_VENV)/.installed-$(LITELLM_VERSION)
+
+$(LITELLM_STAMP):
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
+	rm -f $(LITELLM_VENV)/.installed-*
+	test -d $(LITELLM_VENV) || $(PY) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/pip install -q 'litellm[proxy]==$(LITELLM_VERSION)'
+	touch $@
+
+bench-gateway: $(STAMP) $(LITELLM_STAMP)
+	$(BIN)/python bench/gateway.py --litellm $(LITELLM_VENV)/bin/litellm
 
 bench-rollouts: $(STAMP)
 	$(BIN)/python bench/rollouts.py
 
 bench-harness-start: $(STAMP)
 	$(BIN)/python bench/harness_start.py
+
+# The gateway store on a 50-turn conversation: bytes and write time per call, prompts stored whole vs
+# continuations stored as their new ids, side by side.
+.PHONY: bench-store
+bench-store: $(STAMP)
+	$(BIN)/python bench/store.py
 
 # The CPU engine on example-shaped rollouts: prefix cache + batching vs one request at a time.
 bench-engine: $(STAMP)

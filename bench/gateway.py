@@ -8,11 +8,23 @@ go through each of the gateway's three protocols (OpenAI Chat Completions, OpenA
 Anthropic Messages), posted as the official SDKs put them on the wire. Each client worker runs
 multi-turn conversations on its own attempt key, one key per worker and protocol, as harnesses do.
 
-Run: make bench-gateway   (or: .venv/bin/python bench/gateway.py [--requests N] [--requests-serial N])
+For scale, the LiteLLM proxy (pinned, in its own environment .cache/litellm, which `make
+bench-gateway` installs) runs the Chat Completions conversations in front of the same engine's
+Chat Completions endpoint; its added cost is over that endpoint called directly (`direct-chat`),
+as the gateway's is over `/v1/completions` called directly (`direct`). LiteLLM runs with its
+defaults, offline (`LITELLM_LOCAL_MODEL_COST_MAP=True`, a master key, no database), one worker,
+without access log as the gateway. Each proxy's CPU time per call (its process group's, from
+/proc/PID/stat before and after each path's measured rounds) is steadier than latency on a
+shared machine.
+
+Run: make bench-gateway   (or: .venv/bin/python bench/gateway.py [--requests N] [--requests-serial N]
+     [--litellm PATH])
 """
 
 import argparse
 import asyncio
+import json
+import os
 import sys
 import tempfile
 import time
@@ -24,7 +36,9 @@ import httpx
 
 from inharness.procs import ServerProcess, free_port
 
+ROOT = Path(__file__).resolve().parents[1]
 ADMIN = "bench-admin-token"
+LITELLM_KEY = "sk-bench-master"
 SYSTEM = "You are a careful assistant. Use the calculator tool for arithmetic."
 TOOLS = [
     {
@@ -153,7 +167,81 @@ class MessagesPath:
         ]
 
 
+class EngineChatPath(ChatPath):
+    """Chat Completions to a proxy that routes by model name (LiteLLM) or to the engine itself."""
+
+    @staticmethod
+    def body(history: Any) -> dict[str, Any]:
+        return {**ChatPath.body(history), "model": "bench"}
+
+
 PATHS: dict[str, Any] = {"chat": ChatPath, "responses": ResponsesPath, "messages": MessagesPath}
+OTHER_PATHS: dict[str, Any] = {"direct-chat": EngineChatPath, "litellm": EngineChatPath}
+# Each proxied path's added cost is over the engine endpoint it calls, called directly.
+BASELINE = {"chat": "direct", "responses": "direct", "messages": "direct", "litellm": "direct-chat"}
+
+
+def group_cpu_seconds(leader: int) -> float:
+    """User + system CPU time so far of every process in the session `leader` started (a server and
+    any workers it forks), from /proc."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[3]) == leader:  # field 6 of stat: the session id
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def litellm_server(cli: Path, engine_url: str, work: Path) -> ServerProcess:
+    """LiteLLM's proxy with one model, `bench`, routed to the engine's Chat Completions endpoint."""
+    config = work / "litellm.json"  # JSON is YAML
+    config.write_text(
+        json.dumps(
+            {
+                "model_list": [
+                    {
+                        "model_name": "bench",
+                        "litellm_params": {
+                            "model": "openai/bench",
+                            "api_base": f"{engine_url}/v1",
+                            "api_key": "none",
+                        },
+                    }
+                ],
+                "general_settings": {"master_key": LITELLM_KEY},
+            }
+        )
+    )
+    quiet = work / "litellm-log.json"  # uvicorn's logging, less the access log (the gateway has none)
+    quiet.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "disable_existing_loggers": False,
+                "handlers": {"err": {"class": "logging.StreamHandler"}},
+                "loggers": {
+                    "uvicorn": {"handlers": ["err"], "level": "INFO"},
+                    "uvicorn.access": {"handlers": ["err"], "level": "WARNING", "propagate": False},
+                },
+            }
+        )
+    )
+    port = free_port()
+    argv = [str(cli), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    return ServerProcess(
+        [*argv, "--num_workers", "1", "--log_config", str(quiet)],
+        port=port,
+        log=work / "litellm.log",
+        health="/health/liveliness",
+        env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        name="litellm",
+    )
 
 
 async def gateway_worker(
@@ -181,6 +269,11 @@ async def measure(mode: str, concurrency: int, total: int, ctx: dict[str, Any]) 
         if mode == "direct":
             jobs = [
                 direct_worker(session, ctx["engine"], ctx["prompt"], per, lat) for _ in range(concurrency)
+            ]
+        elif mode in OTHER_PATHS:
+            url, key = ctx["engine"] if mode == "direct-chat" else ctx["litellm"], LITELLM_KEY
+            jobs = [
+                gateway_worker(session, url, OTHER_PATHS[mode], key, per, w, lat) for w in range(concurrency)
             ]
         else:
             jobs = [
@@ -293,7 +386,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1280, help="requests per path at concurrency 64")
     ap.add_argument("--requests-serial", type=int, default=400, help="requests per path at concurrency 1")
+    ap.add_argument(
+        "--litellm",
+        type=Path,
+        default=ROOT / ".cache" / "litellm" / "bin" / "litellm",
+        help="LiteLLM's CLI (litellm[proxy]); `make bench-gateway` installs it here",
+    )
     args = ap.parse_args()
+    if not args.litellm.exists():
+        ap.error(f"no LiteLLM at {args.litellm}: `make bench-gateway` installs it, or pass --litellm PATH")
 
     from transformers import AutoTokenizer
 
@@ -342,8 +443,10 @@ def main() -> int:
         log=work / "gateway.log",
         health="/healthz",
     )
+    litellm = litellm_server(args.litellm, engine.url, work)
     engine.start()
     gateway.start()
+    litellm.start()
     try:
         with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
             c.post("/api/v1/rollouts", json={"tasks": list(range(64 * len(PATHS)))}).raise_for_status()
@@ -359,50 +462,67 @@ def main() -> int:
             "gateway": gateway.url,
             "prompt": prompt,
             "tokens": tokens,
+            "litellm": litellm.url,
         }
 
-        modes = ("direct", *PATHS)
+        modes = ("direct", *PATHS, *OTHER_PATHS)
+        assert engine.proc is not None and gateway.proc is not None and litellm.proc is not None
+        proxy_pid = {"chat": gateway.proc.pid, "responses": gateway.proc.pid, "messages": gateway.proc.pid}
+        proxy_pid["litellm"] = litellm.proc.pid
         lat: dict[tuple[str, int], list[float]] = {}
         wall: dict[tuple[str, int], float] = {}
+        cpu: dict[tuple[str, int, str], float] = {}  # (mode, concurrency, "proxy" | "engine"): seconds
         for conc, total in ((1, args.requests_serial), (64, args.requests)):
             for mode in modes:  # warm-up, discarded
                 asyncio.run(measure(mode, conc, max(conc * 2, total // 10), ctx))
             for _round in range(2):  # alternate, so drifts in machine load hit every path alike
                 for mode in modes:
+                    pids = {"engine": engine.proc.pid}
+                    if mode in proxy_pid:
+                        pids["proxy"] = proxy_pid[mode]
+                    before = {k: group_cpu_seconds(pid) for k, pid in pids.items()}
                     got, sec = asyncio.run(measure(mode, conc, total // 2, ctx))
+                    for k, pid in pids.items():
+                        cpu[(mode, conc, k)] = (
+                            cpu.get((mode, conc, k), 0.0) + group_cpu_seconds(pid) - before[k]
+                        )
                     lat.setdefault((mode, conc), []).extend(got)
                     wall[(mode, conc)] = wall.get((mode, conc), 0.0) + sec
 
         cpus = Path("/proc/cpuinfo").read_text().count("processor")
         print(
-            "\nthe gateway's three protocols vs the same engine called directly "
-            f"(minimal fast engine), {cpus} CPUs"
+            "\nthe gateway's three protocols and LiteLLM's proxy vs the same engine called directly "
+            f"(minimal fast engine), {cpus} CPUs; added = over the `over` path; CPU ms per call of the "
+            "proxy's and the engine's processes"
         )
         print(
-            f"{'concurrency':>11} {'path':>9} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}"
-            f" {'added p50 ms':>13} {'added p99 ms':>13} {'throughput ratio':>17}"
+            f"{'concurrency':>11} {'path':>11} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}"
+            f" {'over':>11} {'added p50 ms':>13} {'added p99 ms':>13} {'throughput ratio':>17}"
+            f" {'proxy CPU ms':>13} {'engine CPU ms':>14}"
         )
         for conc in (1, 64):
-            d50, d99 = pct(lat[("direct", conc)], 0.5), pct(lat[("direct", conc)], 0.99)
-            drps = len(lat[("direct", conc)]) / wall[("direct", conc)]
             for mode in modes:
                 xs = lat[(mode, conc)]
                 p50, p99, rps = pct(xs, 0.5), pct(xs, 0.99), len(xs) / wall[(mode, conc)]
-                added = (
-                    ""
-                    if mode == "direct"
-                    else (f" {(p50 - d50) * 1e3:>13.2f} {(p99 - d99) * 1e3:>13.2f} {rps / drps:>17.2f}")
-                )
-                print(
-                    f"{conc:>11} {mode:>9} {len(xs):>8} {p50 * 1e3:>8.2f} {p99 * 1e3:>8.2f}"
-                    f" {rps:>8.0f}{added}"
-                )
+                row = f"{conc:>11} {mode:>11} {len(xs):>8} {p50 * 1e3:>8.2f} {p99 * 1e3:>8.2f} {rps:>8.0f}"
+                base = BASELINE.get(mode)
+                if base is None:
+                    row += f" {'':>11} {'':>13} {'':>13} {'':>17} {'':>13}"
+                else:
+                    b = lat[(base, conc)]
+                    brps = len(b) / wall[(base, conc)]
+                    row += (
+                        f" {base:>11} {(p50 - pct(b, 0.5)) * 1e3:>13.2f} {(p99 - pct(b, 0.99)) * 1e3:>13.2f}"
+                    )
+                    row += f" {rps / brps:>17.2f} {cpu[(mode, conc, 'proxy')] / len(xs) * 1e3:>13.2f}"
+                print(row + f" {cpu[(mode, conc, 'engine')] / len(xs) * 1e3:>14.2f}")
 
         steps = asyncio.run(breakdown(model, first_turn, work / "breakdown.db"))
         print("\nwhere a gateway call's own time goes (in-process, per call):")
         for name, sec in steps:
             print(f"  {name:<58} {sec * 1e6:>8.0f} us")
     finally:
+        litellm.stop()
         gateway.stop()
         engine.stop()
     return 0

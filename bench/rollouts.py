@@ -1,19 +1,28 @@
 """The kubernetes rollout backend's throughput and its Kubernetes API requests per attempt, for
 100 / 1,000 / 10,000 attempts, each as bare Pods and as Jobs (`spec.kubernetes.workload`), side by
-side in one run.
+side in one run; and with `--long`, gateway requests per attempt when harnesses run 30 s, with
+leases renewed one request per attempt (the controller before heartbeat-batch) and in batches.
 
 Parts: a real gateway (subprocess, SQLite store), kmock's emulator with the fake kubelet and fake job
 controller of the tests (tests/operator/fake_kubelet.py) in a second process, and the controller in
 this one, as the operator runs it: one pod (or Job) per attempt, a key Secret and a task ConfigMap per
 batch, a pod watch (and a Job watch), TTL 0 (each pod or Job deleted once reported). Each harness
-"runs" for no time, so what is measured is the controller, the API and the gateway, not harnesses.
+"runs" for no time (`--seconds`: that long), so what is measured is the controller, the API and the
+gateway, not harnesses.
 API requests are counted by verb in the controller's KubeClient (the kubelet's own requests are not
 the operator's); the fake job controller's requests (pod creations, Job status writes, the pods it
 deletes with their Job) are counted apart, as `jobctl/att`: a lower bound of the real job
 controller's, which also writes tracking finalizers and more status. Gateway requests are counted
 by kind in the controller's GatewayClient.
 
+Lease renewal (`--heartbeats`): `batch` is the controller as it is, one `heartbeat-batch` request
+per `heartbeatSeconds` for all its attempts (up to 1,000 per request); `per-attempt` is the same
+controller renewing each lease with a request of its own at each interval (`renew_each`, its path
+for a gateway without heartbeat-batch): the count the controller had before, with one timer per
+attempt, `in flight / heartbeatSeconds` requests a second.
+
 Run: make bench-rollouts   (or: .venv/bin/python bench/rollouts.py [--sizes 100,1000] [--workloads Pod,Job])
+     .venv/bin/python bench/rollouts.py --long   (1,000 attempts of 30 s, both lease renewals: ~2 min)
 """
 
 import argparse
@@ -42,12 +51,17 @@ ADMIN = "bench-admin-token"
 NS = "bench"
 VERBS = ("create", "delete", "list", "watch", "get", "patch")
 GATEWAY_KINDS = ("claim", "heartbeat", "complete", "other")
+HEARTBEATS = ("per-attempt", "batch")
+LONG = {"sizes": [1000], "workloads": ["Pod"], "seconds": 30.0, "heartbeats": list(HEARTBEATS)}
 
 
 def gateway_kind(path: str) -> str:
-    """Which controller request a gateway path is: claims (one or a batch), heartbeats, completions."""
+    """Which controller request a gateway path is: claims (one or a batch), lease renewals (one or a
+    batch), completions."""
     if path.startswith("/api/v1/attempts/claim"):
         return "claim"
+    if path == "/api/v1/attempts/heartbeat-batch":
+        return "heartbeat"
     for kind in ("heartbeat", "complete"):
         if path.endswith(f"/{kind}"):
             return kind
@@ -83,11 +97,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class PerAttemptHeartbeats(KubernetesRolloutController):
+    """Leases renewed one request per attempt at each interval (the controller's path for a gateway
+    without heartbeat-batch): the gateway requests the controller sent before it, side by side."""
+
+    async def renew_leases(self) -> None:
+        await self.renew_each()
+
+
 def make_controller(
     gw: GatewayClient,
     kube: KubeClient,
     pool_name: str,
     workload: str,
+    heartbeats: str,
     args: argparse.Namespace,
     reported: Counter[str],
 ) -> KubernetesRolloutController:
@@ -96,11 +119,13 @@ def make_controller(
             "harnessRef": {"name": "bench"},
             "backend": "kubernetes",
             "parallelism": args.parallelism,
+            "heartbeatSeconds": args.heartbeat_seconds,
             "kubernetes": {"workload": workload, "ttlSecondsAfterFinished": 0, "keepFailed": 0},
         }
     )
     harness = HarnessSpecSpec.model_validate({"image": "example.org/harness:bench", "command": ["harness"]})
-    return KubernetesRolloutController(
+    kind = PerAttemptHeartbeats if heartbeats == "per-attempt" else KubernetesRolloutController
+    return kind(
         gw,
         kube,
         namespace=NS,
@@ -154,17 +179,19 @@ async def one_size(
     gateway: str,
     n: int,
     workload: str,
+    heartbeats: str,
     args: argparse.Namespace,
     pids: dict[str, int],
     job_requests: Any,
 ) -> dict[str, Any]:
-    pool_name = f"bench-{workload.lower()}-{n}"
+    pool_name = f"bench-{workload.lower()}-{n}-{heartbeats}"
+    script = {"kubelet": {"seconds": args.seconds}} if args.seconds else {}
     async with (
         GatewayClient(gateway, ADMIN, timeout=120) as gw,
         KubeClient(url, qps=args.qps, burst=args.burst) as kube,
     ):
         for start in range(0, n, 10_000):
-            tasks = [{"i": i} for i in range(start, min(n, start + 10_000))]
+            tasks = [{"i": i, **script} for i in range(start, min(n, start + 10_000))]
             await gw.create_rollouts(tasks, pool=pool_name, max_attempts=1)
         reported: Counter[str] = Counter()
         gateway_requests: Counter[str] = Counter()
@@ -173,7 +200,7 @@ async def one_size(
             gateway_requests[gateway_kind(request.url.path)] += 1
 
         gw._http.event_hooks["request"].append(count)
-        controller = make_controller(gw, kube, pool_name, workload, args, reported)
+        controller = make_controller(gw, kube, pool_name, workload, heartbeats, args, reported)
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         jobs_before = job_requests.value
         ran = await drive(controller, n, reported)
@@ -182,6 +209,7 @@ async def one_size(
         requests = dict(kube.requests)
     return {
         "workload": workload,
+        "heartbeats": heartbeats,
         "n": n,
         "started_per_s": n / ran["started_at"],
         "completed_per_s": n / ran["done_at"],
@@ -214,9 +242,10 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             assert gateway.proc is not None and emulator.pid is not None
             pids = {"controller": os.getpid(), "emulator+fakes": emulator.pid, "gateway": gateway.proc.pid}
             return [
-                await one_size(url, gateway.url, n, workload, args, pids, job_requests)
+                await one_size(url, gateway.url, n, workload, heartbeats, args, pids, job_requests)
                 for n in args.sizes
                 for workload in args.workloads
+                for heartbeats in args.heartbeats
             ]
         finally:
             done.set()
@@ -227,32 +256,35 @@ async def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
 def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         "kubernetes rollout backend on kmock's emulator + fake kubelet + fake job controller + real gateway, "
-        f"parallelism {args.parallelism}, client QPS {args.qps:g} burst {args.burst}"
+        f"parallelism {args.parallelism}, client QPS {args.qps:g} burst {args.burst}, harnesses run "
+        f"{args.seconds:g} s, heartbeatSeconds {args.heartbeat_seconds}"
     )
-    head = f"{'workload':>8} {'attempts':>9} {'started/s':>10} {'completed/s':>12}"
+    head = f"{'workload':>8} {'leases':>11} {'attempts':>9} {'started/s':>10} {'completed/s':>12}"
     head += f" {'seconds':>8} {'in flight':>10}"
     head += "".join(f" {v + '/att':>11}" for v in VERBS) + f" {'all/att':>8} {'jobctl/att':>10}"
     print(head)
     for r in results:
-        row = f"{r['workload']:>8} {r['n']:>9} {r['started_per_s']:>10.1f} {r['completed_per_s']:>12.1f}"
+        row = f"{r['workload']:>8} {r['heartbeats']:>11} {r['n']:>9}"
+        row += f" {r['started_per_s']:>10.1f} {r['completed_per_s']:>12.1f}"
         row += f" {r['seconds']:>8.1f} {r['max_running']:>10}"
         row += "".join(f" {r['per_attempt'][v]:>11.3f}" for v in VERBS)
         row += f" {sum(r['per_attempt'].values()):>8.3f} {r['jobctl_per_attempt']:>10.3f}"
         print(row)
     print("gateway requests per attempt, by the controller:")
     print(
-        f"{'workload':>8} {'attempts':>9}"
+        f"{'workload':>8} {'leases':>11} {'attempts':>9}"
         + "".join(f" {k + '/att':>13}" for k in GATEWAY_KINDS)
         + f" {'all/att':>8}"
     )
     for r in results:
         g = r["gateway_per_attempt"]
-        row = f"{r['workload']:>8} {r['n']:>9}" + "".join(f" {g[k]:>13.3f}" for k in GATEWAY_KINDS)
+        row = f"{r['workload']:>8} {r['heartbeats']:>11} {r['n']:>9}"
+        row += "".join(f" {g[k]:>13.3f}" for k in GATEWAY_KINDS)
         print(row + f" {sum(g.values()):>8.3f}")
     print("CPU milliseconds per attempt, by process:")
     for r in results:
         cpu = ", ".join(f"{name} {ms:.1f}" for name, ms in r["cpu_ms"].items())
-        print(f"  {r['workload']:>4} {r['n']:>6} attempts: {cpu}; outcomes {r['reported']}")
+        print(f"  {r['workload']:>4} {r['heartbeats']:>11} {r['n']:>6} attempts: {cpu}; {r['reported']}")
 
 
 def main() -> None:
@@ -264,7 +296,25 @@ def main() -> None:
         "--qps", type=float, default=200.0, help="the controller's client-side API rate limit"
     )
     parser.add_argument("--burst", type=int, default=400)
+    parser.add_argument("--seconds", type=float, default=0.0, help="how long each fake harness runs")
+    parser.add_argument(
+        "--heartbeats",
+        default=["batch"],
+        type=lambda s: s.split(","),
+        help=f"lease renewals to run side by side, of {','.join(HEARTBEATS)}",
+    )
+    parser.add_argument("--heartbeat-seconds", type=int, default=10, help="the pool's heartbeatSeconds")
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="harnesses that run: --sizes 1000 --workloads Pod --seconds 30 --heartbeats per-attempt,batch "
+        "(flags given as well win)",
+    )
+    if "--long" in sys.argv[1:]:
+        parser.set_defaults(**LONG)
     args = parser.parse_args()
+    if unknown := set(args.heartbeats) - set(HEARTBEATS):
+        parser.error(f"--heartbeats: unknown {sorted(unknown)}, choose of {','.join(HEARTBEATS)}")
     print_table(asyncio.run(bench(args)), args)
 
 

@@ -11,7 +11,7 @@ import pytest
 from testsupport import eventually
 
 from inharness.gateway.client import GatewayError
-from inharness.gateway.schema import ClaimedAttempt
+from inharness.gateway.schema import MAX_HEARTBEAT_BATCH, AttemptOut, ClaimedAttempt, LeaseRenewal
 from inharness.operator.rollouts import Outcome
 from inharness.operator.rollouts.base import Abort, ClaimingController, backoff, gateway_transient, retry
 
@@ -126,3 +126,177 @@ async def test_failing_claims_back_off_are_said_once_then_summarised_and_recover
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
+
+
+class _Leases:
+    """A gateway that hands out `n` attempts, records every heartbeat batch, answers the ids in
+    `finished` as ended elsewhere, and fails the batch requests while `down`. A heartbeat of one
+    attempt is a test failure: leases are renewed in batches only."""
+
+    def __init__(self, n: int) -> None:
+        self.queue = [
+            ClaimedAttempt(
+                id=f"at-{i}",
+                rollout_id=f"ro-{i}",
+                group_id="g",
+                seq=1,
+                task={},
+                token="t",
+                lease_expires_at=0,
+            )
+            for i in range(n)
+        ]
+        self.batches: list[list[str]] = []
+        self.finished: set[str] = set()
+        self.down = False
+        self.completed: dict[str, str] = {}
+
+    async def claim(self, pool: str, lease_seconds: float) -> ClaimedAttempt | None:
+        return self.queue.pop(0) if self.queue else None
+
+    async def heartbeat(self, attempt_id: str, lease_seconds: float | None = None) -> None:
+        raise AssertionError(f"a heartbeat request for attempt {attempt_id} alone")
+
+    async def heartbeat_batch(
+        self, attempt_ids: list[str], lease_seconds: float | None
+    ) -> list[LeaseRenewal]:
+        self.batches.append(list(attempt_ids))
+        if self.down:
+            raise httpx.ConnectError("All connection attempts failed")
+        return [
+            LeaseRenewal(id=i, lease="finished", status="succeeded", lease_expires_at=1.0)
+            if i in self.finished
+            else LeaseRenewal(id=i, lease="renewed", status="running", lease_expires_at=2.0)
+            for i in attempt_ids
+        ]
+
+    async def complete(
+        self, attempt_id: str, status: str, reward: float | None, info: dict[str, object]
+    ) -> tuple[AttemptOut, bool]:
+        self.completed[attempt_id] = status
+        out = AttemptOut(
+            id=attempt_id, rollout_id="ro", seq=1, status="failed", pool="p", claimed_at=0, lease_expires_at=0
+        )
+        return out, False
+
+
+class _Running(ClaimingController):
+    """Harnesses that run until their attempt is aborted."""
+
+    async def execute(self, attempt: ClaimedAttempt, abort: Abort) -> Outcome:
+        await abort.wait()
+        return Outcome.failure(abort.reason)
+
+
+def _rounds(batches: list[list[str]], size: int) -> list[list[list[str]]]:
+    """The batches grouped per heartbeat interval: a round is the batches whose ids add up to `size`."""
+    rounds: list[list[list[str]]] = []
+    current: list[list[str]] = []
+    for batch in batches:
+        current.append(batch)
+        if sum(map(len, current)) >= size:
+            rounds.append(current)
+            current = []
+    return rounds
+
+
+async def test_all_attempts_in_flight_are_renewed_by_one_batch_per_interval_and_a_lost_one_is_stopped() -> (
+    None
+):
+    n = 2_500  # more than one batch holds: three requests per interval, 1,000 + 1,000 + 500 ids
+    gateway = _Leases(n)
+    said: list[str] = []
+    controller = _Running(
+        gateway,  # type: ignore[arg-type]
+        "long-pool",
+        parallelism=n,
+        lease_seconds=60,
+        heartbeat_seconds=0.05,
+        log=said.append,
+    )
+    ids = [f"at-{i}" for i in range(n)]
+    stop = asyncio.Event()
+    task = asyncio.create_task(controller.run(stop))
+    try:
+        await eventually(
+            lambda: controller.running == n and len(gateway.batches) >= 9, "three rounds of leases"
+        )
+        full = [r for r in _rounds(gateway.batches, n) if sum(map(len, r)) == n]
+        assert len(full) >= 2, gateway.batches[:4]
+        for one in full:
+            assert [len(b) for b in one] == [MAX_HEARTBEAT_BATCH, MAX_HEARTBEAT_BATCH, 500]
+            assert sorted(i for b in one for i in b) == sorted(ids), "each interval renews every attempt once"
+
+        # A failed batch request is said and tried again at the next interval; nothing is stopped.
+        gateway.down = True
+        seen = len(gateway.batches)
+        await eventually(lambda: len(gateway.batches) >= seen + 3, "a failing round")
+        gateway.down = False
+        assert controller.running == n and any(
+            "heartbeat of 1000 attempts failed, retrying" in s for s in said
+        )
+
+        # The gateway says one attempt ended (someone else completed it): its harness is stopped and
+        # its outcome counted as a lost lease, as a refused heartbeat always was.
+        gateway.finished.add("at-7")
+        await eventually(lambda: controller.failed == 1, "the attempt whose lease was lost failed")
+        assert dict(controller.failed_by_reason) == {"lease lost": 1}
+        assert controller.last_failure == ("at-7", "lease lost: attempt at-7 is succeeded")
+        assert gateway.completed == {"at-7": "failed"}
+        assert any(s == "attempt at-7: lease lost, stopping it: attempt at-7 is succeeded" for s in said)
+        after = len(gateway.batches)
+        await eventually(lambda: len(gateway.batches) >= after + 6, "two more rounds")
+        assert all("at-7" not in b for b in gateway.batches[after + 3 :]), "a lost lease is renewed no more"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    assert controller.running == 0 and controller.released == n - 1
+    assert controller._lease_keeper is None and controller.leases == {}, (
+        "the lease keeper ends with the attempts"
+    )
+
+
+class _OldGateway(_Leases):
+    """A gateway that predates heartbeat-batch (404): leases are renewed one request each."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.single: list[str] = []
+
+    async def heartbeat_batch(
+        self, attempt_ids: list[str], lease_seconds: float | None
+    ) -> list[LeaseRenewal]:
+        self.batches.append(list(attempt_ids))
+        raise GatewayError(404, "Not Found")
+
+    async def heartbeat(self, attempt_id: str, lease_seconds: float | None = None) -> None:
+        self.single.append(attempt_id)
+        if attempt_id in self.finished:
+            raise GatewayError(409, f"attempt {attempt_id} is succeeded; its lease cannot be renewed")
+
+
+async def test_a_gateway_without_batch_heartbeats_is_said_once_and_each_lease_renewed_alone() -> None:
+    gateway = _OldGateway(3)
+    said: list[str] = []
+    controller = _Running(
+        gateway,  # type: ignore[arg-type]
+        "old-gateway",
+        parallelism=3,
+        lease_seconds=60,
+        heartbeat_seconds=0.05,
+        log=said.append,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(controller.run(stop))
+    try:
+        await eventually(lambda: len(gateway.single) >= 9, "three rounds of single heartbeats")
+        assert len(gateway.batches) == 1, "asked once, then never again"
+        assert sorted(gateway.single[:3]) == ["at-0", "at-1", "at-2"]
+        assert said.count("pool old-gateway: the gateway has no batch heartbeats; one per attempt") == 1
+        gateway.finished.add("at-1")
+        await eventually(lambda: controller.failed == 1, "the attempt whose lease was lost failed")
+        assert dict(controller.failed_by_reason) == {"lease lost": 1}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    assert controller.leases == {} and controller.released == 2

@@ -11,6 +11,11 @@ says how to run one attempt to an `Outcome` (`execute`) and, where it needs to, 
 - `reported`: after it was (cleanup, or keeping for inspection);
 - `attempt_done`: when an attempt's task ends, reported or `Detached`.
 
+Leases: every attempt in flight is renewed by one `POST /api/v1/attempts/heartbeat-batch` per
+`heartbeat_seconds` for the whole controller (`renew_leases`), not one request per attempt, so that
+gateway requests per attempt stay near one (its completion, and its share of a claim batch) however
+long harnesses run; an attempt the gateway says ended or expired is aborted as "lease lost".
+
 `retry` and `backoff` are the one retry policy of every backend: tries doubling their wait. A claim
 that fails (the gateway unreachable, a 5xx) is retried that way with jitter, up to
 `claim_retry_cap`; a backend that claims by itself reports each failure with `claim_failed`. The
@@ -32,7 +37,7 @@ from typing import Any, Literal, Protocol, TypeVar
 import httpx
 
 from inharness.gateway.client import GatewayClient, GatewayError
-from inharness.gateway.schema import ClaimedAttempt
+from inharness.gateway.schema import MAX_HEARTBEAT_BATCH, ClaimedAttempt, LeaseRenewal
 from inharness.operator.rollouts.outcome import REWARD_MISSING, Outcome, fix_for, reason_key, without_reason
 from inharness.operator.spec import HarnessSpecSpec, RolloutPoolSpec
 
@@ -155,9 +160,10 @@ class Abort:
 
 class ClaimingController(ABC):
     """Keeps up to `parallelism` attempts of `pool_name` running: claims while below it, polls with
-    a bounded backoff while the queue is empty, heartbeats each attempt's lease, and reports its
-    outcome. On `stop`, claiming ends, running attempts are aborted and released (reason "stopped",
-    not charged to their rollouts) or detached, and `run` returns once every one of them is settled.
+    a bounded backoff while the queue is empty, renews the leases of all its attempts in one batch
+    request per `heartbeat_seconds`, and reports each attempt's outcome. On `stop`, claiming ends,
+    running attempts are aborted and released (reason "stopped", not charged to their rollouts) or
+    detached, and `run` returns once every one of them is settled.
 
     Counting: `succeeded`, `failed` (with `failed_by_reason`, `last_failure`) and `released` count
     every outcome this controller settled, except a `duplicate` report (the controller that
@@ -221,6 +227,10 @@ class ClaimingController(ABC):
         self.last_failure: tuple[str, str] | None = None  # (attempt id, reason)
         self._streak: tuple[str, int] = ("", 0)  # (reason key, attempts in a row) failed with no call
         self._active: dict[asyncio.Task[None], Abort] = {}
+        # Attempts whose harness runs, by id: what `renew_leases` renews, and what it aborts.
+        self.leases: dict[str, tuple[ClaimedAttempt, Abort]] = {}
+        self._lease_keeper: asyncio.Task[None] | None = None
+        self._batch_heartbeats = True  # False once the gateway answered heartbeat-batch with a 404
         self._freed = asyncio.Event()  # an attempt task ended: a slot may be free
         self.stopping = asyncio.Event()  # `run` is ending: running attempts are being aborted
         limit = self.gateway_concurrency
@@ -400,7 +410,7 @@ class ClaimingController(ABC):
         """`execute` under heartbeats, with a reward the harness posted where its result had none."""
         if abort.is_set():
             return Outcome.failure(abort.reason)
-        beats = asyncio.create_task(self._heartbeats(attempt, abort))
+        self._keep_lease(attempt, abort)
         try:
             return await self.with_posted_reward(attempt, await self.execute(attempt, abort))
         except RunnerFault as exc:
@@ -411,7 +421,7 @@ class ClaimingController(ABC):
         except Exception as exc:
             return Outcome.failure(f"runner error: {type(exc).__name__}: {exc}")
         finally:
-            beats.cancel()
+            self._drop_lease(attempt.id)
 
     async def _released_if_not_its_fault(self, outcome: Outcome, abort: Abort, started_at: float) -> Outcome:
         """A stop (Ctrl-C, the run ending) or an infrastructure outage is not the harness's fault."""
@@ -491,7 +501,8 @@ class ClaimingController(ABC):
         return Outcome.success(posted.reward, **rest, reward_source="posted", **extra)
 
     async def heartbeat(self, attempt: ClaimedAttempt, abort: Abort) -> bool:
-        """Renew the attempt's lease once; False (and `abort` set) when the gateway says it is lost."""
+        """Renew one attempt's lease at once (an adopted attempt, before it waits for the next batch);
+        False (and `abort` set) when the gateway says it is lost."""
         try:
             async with self.gate:
                 await self.gateway.heartbeat(attempt.id, self.lease_seconds)
@@ -505,11 +516,74 @@ class ClaimingController(ABC):
             self.log(f"attempt {attempt.id}: heartbeat failed, retrying: {exc!r}")
         return True
 
-    async def _heartbeats(self, attempt: ClaimedAttempt, abort: Abort) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_seconds)
+    def _keep_lease(self, attempt: ClaimedAttempt, abort: Abort) -> None:
+        """Renew the attempt's lease from now on, with the others; the keeper runs while any is held."""
+        self.leases[attempt.id] = (attempt, abort)
+        if self._lease_keeper is None or self._lease_keeper.done():
+            self._lease_keeper = asyncio.create_task(self._keep_leases(), name=f"leases-{self.pool_name}")
+
+    def _drop_lease(self, attempt_id: str) -> None:
+        self.leases.pop(attempt_id, None)
+        if not self.leases and self._lease_keeper is not None:
+            self._lease_keeper.cancel()
+            self._lease_keeper = None
+
+    async def _keep_leases(self) -> None:
+        """`renew_leases` every `heartbeat_seconds`, counted from start to start, so that a slow gateway
+        does not stretch the interval past a lease."""
+        due = time.monotonic()
+        while self.leases:
+            due = max(due + self.heartbeat_seconds, time.monotonic())
+            await asyncio.sleep(due - time.monotonic())
+            await self.renew_leases()
+
+    async def renew_leases(self) -> None:
+        """Renew every held lease: one request per `MAX_HEARTBEAT_BATCH` attempts. A request that fails is
+        tried again at the next interval (the lease outlives several); an attempt the gateway says
+        ended, expired or does not know is aborted, as its harness's work can no longer count. From a
+        gateway that predates batch heartbeats (404), `renew_each` from then on."""
+        ids = list(self.leases)
+        for start in range(0, len(ids) if self._batch_heartbeats else 0, MAX_HEARTBEAT_BATCH):
+            chunk = ids[start : start + MAX_HEARTBEAT_BATCH]
+            try:
+                async with self.gate:
+                    renewals = await self.gateway.heartbeat_batch(chunk, self.lease_seconds)
+            except (GatewayError, httpx.HTTPError) as exc:
+                if isinstance(exc, GatewayError) and exc.status in (404, 405):
+                    self.log(f"pool {self.pool_name}: the gateway has no batch heartbeats; one per attempt")
+                    self._batch_heartbeats = False
+                    break
+                self.log(
+                    f"pool {self.pool_name}: heartbeat of {len(chunk)} attempts failed, retrying: {exc!r}"
+                )
+                continue
+            for renewal in renewals:
+                if renewal.lease != "renewed":
+                    self._lease_lost(renewal)
+        if not self._batch_heartbeats:
+            await self.renew_each()
+
+    async def renew_each(self) -> None:
+        """One heartbeat request per held lease, through the gate: what a gateway without batch
+        heartbeats needs, `in flight / heartbeat_seconds` requests a second."""
+
+        async def renew(attempt: ClaimedAttempt, abort: Abort) -> None:
             if not await self.heartbeat(attempt, abort):
-                return
+                self.leases.pop(attempt.id, None)
+
+        await asyncio.gather(*(renew(attempt, abort) for attempt, abort in list(self.leases.values())))
+
+    def _lease_lost(self, renewal: LeaseRenewal) -> None:
+        held = self.leases.pop(renewal.id, None)
+        if held is None:  # it ended while the request was in flight
+            return
+        why = {
+            "finished": f"attempt {renewal.id} is {renewal.status}",
+            "expired": f"attempt {renewal.id} is expired (its lease passed)",
+            "unknown": f"attempt {renewal.id} is unknown to the gateway",
+        }[renewal.lease]
+        self.log(f"attempt {renewal.id}: lease lost, stopping it: {why}")
+        held[1].trigger(f"lease lost: {why}")
 
     async def _report(self, attempt: ClaimedAttempt, outcome: Outcome) -> tuple[Report, int]:
         """Complete the attempt at the gateway: how it took it, and the model calls recorded for it. A
