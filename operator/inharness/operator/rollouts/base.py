@@ -71,17 +71,22 @@ async def retry(
     tries: int,
     transient: Callable[[Exception], bool],
     first: float = 0.5,
+    within: float = 0.0,
+    cap: float = 10.0,
 ) -> T:
-    """`await call()`, again after `backoff` while it raises a `transient` error, at most `tries`
-    times; any other error, or the last try's, is raised."""
-    for n in range(1, tries + 1):
+    """`await call()`, again after `backoff` (at most `cap`) while it raises a `transient` error: at
+    least `tries` times, and on until `within` seconds have passed; any other error, or the last
+    try's, is raised."""
+    deadline = time.monotonic() + within
+    n = 0
+    while True:
+        n += 1
         try:
             return await call()
         except Exception as exc:
-            if n == tries or not transient(exc):
+            if not transient(exc) or (n >= tries and time.monotonic() >= deadline):
                 raise
-        await asyncio.sleep(backoff(n, first))
-    raise AssertionError("unreachable")
+        await asyncio.sleep(backoff(n, first, cap))
 
 
 def gateway_transient(exc: Exception) -> bool:
@@ -182,6 +187,9 @@ class ClaimingController(ABC):
     claim_retry_cap = 10.0
     claim_summary_seconds = 30.0  # while claims fail, one log line at most this often
     report_tries = 3
+    # A completion is retried through a gateway outage this long (at most a lease, which is renewed
+    # meanwhile): a restarted gateway must not cost a finished attempt its result. Not while stopping.
+    report_seconds = 60.0
     # Gateway calls in flight at most (None: no limit). A backend with thousands of attempts sets it:
     # httpx's connection pool does work in proportion to its waiting requests on every change, so
     # thousands of heartbeats at once would cost O(n^2) there.
@@ -391,6 +399,7 @@ class ClaimingController(ABC):
     async def _attempt(self, attempt: ClaimedAttempt, abort: Abort) -> None:
         self.started += 1
         start, started_at = time.monotonic(), time.time()
+        self._keep_lease(attempt, abort)  # until it is reported: a completion may wait out an outage
         try:
             try:
                 outcome = await self._outcome(attempt, abort)
@@ -403,14 +412,14 @@ class ClaimingController(ABC):
             self._count(attempt, outcome, report, calls)
             await self.reported(attempt, outcome, report)
         finally:
+            self._drop_lease(attempt.id)
             self.attempt_done(attempt)
             self._freed.set()
 
     async def _outcome(self, attempt: ClaimedAttempt, abort: Abort) -> Outcome:
-        """`execute` under heartbeats, with a reward the harness posted where its result had none."""
+        """`execute`, with a reward the harness posted where its result had none."""
         if abort.is_set():
             return Outcome.failure(abort.reason)
-        self._keep_lease(attempt, abort)
         try:
             return await self.with_posted_reward(attempt, await self.execute(attempt, abort))
         except RunnerFault as exc:
@@ -420,8 +429,6 @@ class ClaimingController(ABC):
             raise
         except Exception as exc:
             return Outcome.failure(f"runner error: {type(exc).__name__}: {exc}")
-        finally:
-            self._drop_lease(attempt.id)
 
     async def _released_if_not_its_fault(self, outcome: Outcome, abort: Abort, started_at: float) -> Outcome:
         """A stop (Ctrl-C, the run ending) or an infrastructure outage is not the harness's fault."""
@@ -594,7 +601,10 @@ class ClaimingController(ABC):
                 return await self.gateway.complete(attempt.id, outcome.status, outcome.reward, outcome.info)
 
         try:
-            done, duplicate = await retry(complete, tries=self.report_tries, transient=gateway_transient)
+            within = 0.0 if self.stopping.is_set() else min(self.report_seconds, self.lease_seconds)
+            done, duplicate = await retry(
+                complete, tries=self.report_tries, transient=gateway_transient, within=within, cap=2.0
+            )
         except GatewayError as exc:
             if exc.status == 409:
                 self.log(f"attempt {attempt.id}: completion refused, its lease expired: {exc.message}")
@@ -610,6 +620,5 @@ class ClaimingController(ABC):
 
     def _unreachable(self, attempt: ClaimedAttempt, exc: Exception) -> None:
         self.log(
-            f"attempt {attempt.id}: completion failed {self.report_tries} times, the lease will requeue "
-            f"it: {exc!r}"
+            f"attempt {attempt.id}: completion failed through its retries, the lease will requeue it: {exc!r}"
         )
