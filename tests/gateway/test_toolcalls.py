@@ -55,3 +55,17 @@ def test_parse_tools_off_returns_the_text_verbatim() -> None:
     content, calls = parse_all(ANSWERS[1], parse_tools=False)
     assert calls == []
     assert content is not None and content.startswith("<tool_call>")
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        '{"name": "calc", "arguments": {"x": "\\ud800"}}',  # a lone surrogate
+        '{"name": "calc", "arguments": {"x": NaN}}',
+    ],
+)
+def test_a_block_no_answer_could_carry_stays_text(block: str) -> None:
+    text = f"<tool_call>{block}</tool_call>"
+    content, calls = parse_all(text)
+    assert calls == [] and content == text
+    assert content.encode("utf-8")  # and the text itself encodes: the escape stayed six characters

@@ -181,7 +181,7 @@ def test_override_files_merge_into_their_preset(tmp_path: Path) -> None:
 
 
 def _call(
-    attempt: schema.ClaimedAttempt, n: int, start: float, prompt: int, parent: int | None
+    attempt: schema.ClaimedAttempt, n: int, start: float, prompt: list[int], parent: int | None
 ) -> CallRecord:
     return CallRecord(
         attempt_id=attempt.id,
@@ -192,7 +192,7 @@ def _call(
         requested_model="m",
         model_version=0,
         engine="http://engine-0",
-        prompt_ids=list(range(prompt)),
+        prompt_ids=prompt,
         response_ids=list(range(20)),
         response_logprobs=[-0.5] * 20,
         finish_reason="stop",
@@ -211,7 +211,8 @@ def _call(
 
 async def test_from_run_fits_a_real_gateway_store(tmp_path: Path) -> None:
     """2 groups of 2; each attempt: a 100-token prompt, 20 tokens in 0.5 s, 2 s of tools, then a call
-    adding 15 tokens to its parent's 120. The calls never overlap: 40 tokens/s, alone."""
+    adding 15 tokens to its parent's 120 (stored as those 15: the store keeps a continuation's new
+    ids only). The calls never overlap: 40 tokens/s, alone."""
     store = await Store.open(f"sqlite:///{tmp_path / 'gateway.db'}")
     try:
         await store.create_rollouts(
@@ -220,9 +221,10 @@ async def test_from_run_fits_a_real_gateway_store(tmp_path: Path) -> None:
         claimed = await store.claim_many("default", 60.0, 10)
         base = time.time() + 1.0
         for i, a in enumerate(claimed):
-            first = _call(a, 0, base + 10 * i, 100, None)
+            first = _call(a, 0, base + 10 * i, list(range(100)), None)
             await store.record_calls([first])
-            await store.record_calls([_call(a, 1, base + 10 * i + 2.5, 135, first.id)])
+            extended = [*first.prompt_ids, *first.response_ids, *range(500, 515)]
+            await store.record_calls([_call(a, 1, base + 10 * i + 2.5, extended, first.id)])
             await store.complete(a.id, schema.CompleteRequest(status="succeeded", reward=1.0))
     finally:
         await store.close()

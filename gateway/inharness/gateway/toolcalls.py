@@ -8,6 +8,8 @@ import json
 import secrets
 from dataclasses import dataclass
 
+import orjson
+
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 
@@ -28,9 +30,12 @@ Event = ContentDelta | ToolCall
 
 
 def _parse_block(body: str) -> ToolCall | None:
+    """A block is a tool call only if its JSON is one every reader can round-trip: orjson refuses
+    what the model may write but no answer could carry (lone surrogates, NaN), and such a block
+    stays text."""
     try:
-        obj = json.loads(body)
-    except ValueError:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None

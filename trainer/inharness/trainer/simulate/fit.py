@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, func, inspect, literal, select
 
 from inharness.gateway.codec import pack_ids
 from inharness.gateway.store.tables import attempts, calls, rollouts
@@ -64,6 +64,10 @@ def _read_store(path: Path) -> tuple[list[_Attempt], list[int], int]:
     engine = create_engine(f"sqlite:///{path}")
     try:
         with engine.connect() as conn:
+            # A continuation stores only the ids its prompt adds after its first `prompt_prefix`
+            # (store migration 6); a store written before that has no such column and stores prompts whole.
+            stored = {c["name"] for c in inspect(conn).get_columns("calls")}
+            prefix = func.coalesce(calls.c.prompt_prefix, 0) if "prompt_prefix" in stored else literal(0)
             found: dict[str, _Attempt] = {}
             for a in conn.execute(
                 select(attempts.c.id, attempts.c.claimed_at, attempts.c.finished_at).where(
@@ -79,7 +83,7 @@ def _read_store(path: Path) -> tuple[list[_Attempt], list[int], int]:
                     calls.c.engine,
                     calls.c.started_at,
                     calls.c.finished_at,
-                    (func.length(calls.c.prompt_ids) / _ID_BYTES).label("prompt"),
+                    (prefix + func.length(calls.c.prompt_ids) / _ID_BYTES).label("prompt"),
                     (func.length(calls.c.response_ids) / _ID_BYTES).label("response"),
                 )
                 .where(calls.c.choice_index == 0)
