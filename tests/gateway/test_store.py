@@ -253,6 +253,25 @@ async def test_the_completion_answer_counts_the_attempts_recorded_calls(store: S
     assert (await store.heartbeat((await _fresh(store)).id, None)).calls is None  # only in the answer
 
 
+async def test_a_call_committed_after_its_attempt_ended_is_refused_and_its_batch_mates_land(
+    store: Store,
+) -> None:
+    """The liveness check is in the commit's transaction: a completion or a passed lease between a
+    call's start and its record leaves the call out; calls of live attempts in the same group commit
+    are recorded all the same."""
+    await store.create_rollouts(schema.CreateRollouts(tasks=["a", "b", "c"]), default_max_attempts=1)
+    done, live, lapsed = [await store.claim("default", 60) for _ in range(3)]
+    assert done and live and lapsed
+    await store.complete(done.id, schema.CompleteRequest(status="succeeded", reward=1.0))
+    await store.heartbeat(lapsed.id, 0.001)
+    await asyncio.sleep(0.01)  # past that lease: the store compares it with the clock
+    results = await asyncio.gather(
+        *(store.record_calls([_record(a, 0)]) for a in (done, live, lapsed)), return_exceptions=True
+    )
+    assert [type(r).__name__ for r in results] == ["AttemptEnded", "NoneType", "AttemptEnded"]
+    assert [len(await store.list_calls(a.id)) for a in (done, live, lapsed)] == [0, 1, 0]
+
+
 async def _fresh(store: Store) -> schema.ClaimedAttempt:
     await store.create_rollouts(schema.CreateRollouts(tasks=["c"]), default_max_attempts=1)
     a = await store.claim("default", 60)

@@ -24,7 +24,7 @@ from inharness.gateway.errors import APIError
 from inharness.gateway.metrics import GatewayMetrics
 from inharness.gateway.prompts import BuiltPrompt, PromptBuilder
 from inharness.gateway.serving import ServingGate
-from inharness.gateway.store import AttemptAuth, CallRecord, ParentCall, Store
+from inharness.gateway.store import AttemptAuth, AttemptEnded, CallRecord, ParentCall, Store
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,7 @@ MAX_CACHED_KEYS = 65_536
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 
 
-async def _connected() -> bool:
+async def _never_gone() -> bool:
     return False
 
 
@@ -119,7 +119,7 @@ class CallContext:
     started_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
     served: Served | None = None
-    client_gone: Callable[[], Awaitable[bool]] = _connected
+    client_gone: Callable[[], Awaitable[bool]] = _never_gone
     recorded: bool = False
     dropped: str | None = None
 
@@ -181,8 +181,6 @@ class CallContext:
         svc = self.service
         if await self.client_gone():
             raise svc.dropped(self, CLIENT_GONE)
-        if not await svc.running(self.auth.id):
-            raise svc.dropped(self, ATTEMPT_ENDED)
         now = time.time()
         served = self.served or Served(self.version, "")
         records = [
@@ -214,7 +212,10 @@ class CallContext:
             )
             for o, reply in zip(outputs, replies, strict=True)
         ]
-        await svc.store.record_calls(records)
+        try:
+            await svc.store.record_calls(records)
+        except AttemptEnded:  # checked in the commit's own transaction, whichever process ended it
+            raise svc.dropped(self, ATTEMPT_ENDED) from None
         self.recorded = True
         for rec, o in zip(records, outputs, strict=True):
             assert rec.id is not None
@@ -295,17 +296,6 @@ class CallService:
         self._token_of[auth.id] = token
         return auth
 
-    async def running(self, attempt_id: str) -> bool:
-        """Whether the attempt still runs with a live lease (as `authenticate` would let its key in)."""
-        token = self._token_of.get(attempt_id)
-        if token is None:  # forgotten: it ended here (or 262,144 newer attempts called since)
-            return False
-        try:
-            await self.authenticate(token)
-        except APIError:
-            return False
-        return True
-
     def lease_renewed(self, attempt_id: str, lease_expires_at: float) -> None:
         """A heartbeat moved the attempt's lease (later or earlier): its cached key follows."""
         token = self._token_of.get(attempt_id)
@@ -344,7 +334,7 @@ class CallService:
         request_body: dict[str, Any],
         id_prefix: str = "chatcmpl-",
         notes: tuple[str, ...] = (),
-        client_gone: Callable[[], Awaitable[bool]] = _connected,
+        client_gone: Callable[[], Awaitable[bool]] = _never_gone,
     ) -> AsyncIterator[CallContext]:
         """Admit a call (waiting out a serving pause), build its prompt and check that it fits.
         `id_prefix` starts the protocol's id of the answer (also the recorded request id); `notes`

@@ -3,6 +3,7 @@
 from inharness.gateway.store.migrations import SchemaTooNew
 from inharness.gateway.store.store import (
     AttemptAuth,
+    AttemptEnded,
     CallRecord,
     Conflict,
     NotFound,
@@ -13,6 +14,7 @@ from inharness.gateway.store.store import (
 
 __all__ = [
     "AttemptAuth",
+    "AttemptEnded",
     "CallRecord",
     "Conflict",
     "NotFound",

@@ -68,6 +68,11 @@ class StoreError(Exception):
     """Base of the store's refusals; the message is shown to the API client."""
 
 
+class AttemptEnded(StoreError):
+    """A call's attempt was no longer running with a live lease when its record was to be committed:
+    the call is not recorded (docs/gateway.md, What is recorded)."""
+
+
 class NotFound(StoreError):
     pass
 
@@ -530,7 +535,10 @@ class Store:
     # -- calls -----------------------------------------------------------------------------------
 
     async def record_calls(self, records: list[CallRecord]) -> None:
-        """Durably record calls; returns after the commit that holds them. Sets each record's id."""
+        """Durably record calls; returns after the commit that holds them. Sets each record's id.
+        Raises AttemptEnded, and records none of them, when their attempt no longer runs with a live
+        lease at the commit: checked in the same transaction, so that no completion, release or lease
+        sweep (in this process or another) slips between the check and the record."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         await self._call_queue.put((records, done))
         await done
@@ -551,11 +559,16 @@ class Store:
                 continue
             for rec, call_id in zip(records, ids, strict=True):
                 rec.id = call_id
-            for _, fut in batch:
-                if not fut.done():
+            for recs, fut in batch:
+                ended = next((r.attempt_id for r in recs if r.id is None), None)
+                if fut.done():
+                    continue
+                if ended is None:
                     fut.set_result(None)
+                else:
+                    fut.set_exception(AttemptEnded(f"attempt {ended} is no longer running"))
 
-    async def _insert_calls(self, records: list[CallRecord]) -> list[int]:
+    async def _insert_calls(self, records: list[CallRecord]) -> list[int | None]:
         """One transaction of calls. SQLite: the sqlite3 writer (on a thread with fsync), under the
         write lock. PostgreSQL: the async engine, a pooled connection per batch (a connection the
         database dropped is replaced, not kept)."""
@@ -569,7 +582,7 @@ class Store:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._call_thread, self._insert_calls_sync, records)
 
-    def _insert_calls_sync(self, records: list[CallRecord]) -> list[int]:
+    def _insert_calls_sync(self, records: list[CallRecord]) -> list[int | None]:
         assert self._call_engine is not None
         with self._call_engine.begin() as conn:
             return _insert_calls(conn, records)
@@ -912,10 +925,30 @@ def _migrate_sqlite(url: URL, pragmas: Callable[[Any, Any], None]) -> None:
         engine.dispose()
 
 
-def _insert_calls(conn: Connection, records: Sequence[CallRecord]) -> list[int]:
-    """Insert the calls in the caller's transaction, each continuation as its new prompt ids only."""
-    rows = [_call_row(rec, prefix) for rec, prefix in zip(records, _prefixes(conn, records), strict=True)]
-    return list(conn.execute(_INSERT_CALLS, rows).scalars())
+def _insert_calls(conn: Connection, records: Sequence[CallRecord]) -> list[int | None]:
+    """Insert the calls in the caller's transaction, each continuation as its new prompt ids only, and
+    only those of attempts still running with a live lease (None for the others). The attempts' rows
+    stay share-locked until the commit, so a completion (which locks its row for update) comes wholly
+    before the check or wholly after the record; on SQLite every write of the process is serialised."""
+    attempt_ids = sorted({r.attempt_id for r in records})
+    live = set(
+        conn.execute(
+            select(attempts.c.id)
+            .where(
+                attempts.c.id.in_(attempt_ids),
+                attempts.c.status == "running",
+                attempts.c.lease_expires_at >= time.time(),
+            )
+            .order_by(attempts.c.id)
+            .with_for_update(read=True)
+        ).scalars()
+    )
+    kept = [r for r in records if r.attempt_id in live]
+    if not kept:
+        return [None] * len(records)
+    rows = [_call_row(rec, prefix) for rec, prefix in zip(kept, _prefixes(conn, kept), strict=True)]
+    new_ids = iter(conn.execute(_INSERT_CALLS, rows).scalars())
+    return [next(new_ids) if r.attempt_id in live else None for r in records]
 
 
 def _prefixes(conn: Connection, records: Sequence[CallRecord]) -> list[int | None]:
