@@ -4,6 +4,7 @@ reading back what the gateway recorded. The harness binaries come from `make har
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import yaml
 
 from inharness.engine.script import SCRIPT_ENV
 from inharness.engine.tiny import init_tiny
-from inharness.gateway.codec import unpack_ids, unpack_logprobs
+from inharness.gateway.store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 HARNESSES = REPO / ".cache" / "harnesses"
@@ -121,25 +122,32 @@ def run_example(
 
 
 def read_calls(db: Path) -> list[Call]:
-    with sqlite3.connect(db) as conn:
-        rows = conn.execute(
-            "select attempt_id, protocol, prompt_ids, response_ids, response_logprobs, parent_call_id, id,"
-            " prefix_mismatch, request_body, response_body from calls order by started_at"
-        ).fetchall()
+    """Every recorded call, read through the store (a continuation is stored as its new ids only; the
+    store gives its whole prompt back), in the order they started."""
+
+    async def read() -> list[Any]:
+        store = await Store.open(f"sqlite:///{db}")
+        try:
+            with sqlite3.connect(db) as conn:
+                ids = [r[0] for r in conn.execute("select id from attempts")]
+            return [c for attempt_id in ids for c in await store.list_calls(attempt_id)]
+        finally:
+            await store.close()
+
     return [
         Call(
-            attempt_id=r[0],
-            protocol=r[1],
-            prompt_ids=unpack_ids(r[2]),
-            response_ids=unpack_ids(r[3]),
-            logprobs=unpack_logprobs(r[4]),
-            parent_call_id=r[5],
-            id=r[6],
-            prefix_mismatch=r[7],
-            request=json.loads(r[8]) if r[8] else {},
-            response=json.loads(r[9]) if r[9] else None,
+            attempt_id=c.attempt_id,
+            protocol=c.protocol,
+            prompt_ids=c.prompt_ids,
+            response_ids=c.response_ids,
+            logprobs=c.response_logprobs,
+            parent_call_id=c.parent_call_id,
+            id=c.id,
+            prefix_mismatch=c.prefix_mismatch,
+            request=c.request or {},
+            response=c.response,
         )
-        for r in rows
+        for c in sorted(asyncio.run(read()), key=lambda c: c.started_at)
     ]
 
 
