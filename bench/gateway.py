@@ -17,8 +17,13 @@ without access log as the gateway. Each proxy's CPU time per call (its process g
 /proc/PID/stat before and after each path's measured rounds) is steadier than latency on a
 shared machine.
 
+With `--workers 1,2,4` it measures instead the throughput of `inharness gateway --workers N` at
+concurrency 64 (Chat Completions conversations), each N on a new database of one PostgreSQL 15 server
+started here (tests/postgres_server.py's, so it needs the server's binaries), next to one process on
+SQLite and the engine called directly.
+
 Run: make bench-gateway   (or: .venv/bin/python bench/gateway.py [--requests N] [--requests-serial N]
-     [--litellm PATH])
+     [--litellm PATH] | [--workers 1,2,4])
 """
 
 import argparse
@@ -382,6 +387,77 @@ async def breakdown(
     return rows
 
 
+def bench_workers(
+    counts: list[int], requests: int, work: Path, model: Path, engine: ServerProcess, prompt: list[int]
+) -> None:
+    """Chat Completions throughput at concurrency 64 of one SQLite gateway process and of `--workers N`
+    on PostgreSQL, alternated over two rounds, with the gateway's CPU per call (all its processes)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from postgres_server import PostgresServer, postgres_bin_dir
+
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None:
+        raise SystemExit("--workers needs PostgreSQL 15's initdb and pg_ctl (apt-get install postgresql)")
+    pg = PostgresServer.start(bin_dir)
+    setups = [("sqlite", 1, f"sqlite:///{work / 'gw-workers.db'}")]
+    setups += [("postgresql", n, pg.create_database()) for n in counts]
+    gateways: list[ServerProcess] = []
+    try:
+        ctxs = []
+        for store, n, url in setups:
+            port = free_port()
+            argv = ["gateway", "--model", str(model), "--engine", engine.url, "--store", url]
+            argv += ["--port", str(port), "--admin-token", ADMIN, "--workers", str(n)]
+            gw = ServerProcess.inharness(
+                argv, port=port, log=work / f"gateway-{store}-{n}.log", health="/healthz"
+            )
+            gateways.append(gw.start())
+            with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
+                c.post("/api/v1/rollouts", json={"tasks": list(range(64))}).raise_for_status()
+                claim = {"lease_seconds": 3600}
+                tokens = [
+                    c.post("/api/v1/attempts/claim", json=claim).json()["attempt"]["token"] for _ in range(64)
+                ]
+            ctxs.append(
+                {"engine": engine.url, "gateway": gw.url, "prompt": prompt, "tokens": {"chat": tokens}}
+            )
+        runs = [("direct", ctxs[0], None)] + [
+            ("chat", ctx, gw) for ctx, gw in zip(ctxs, gateways, strict=True)
+        ]
+        for mode, ctx, _gw in runs:  # warm-up, discarded
+            asyncio.run(measure(mode, 64, requests // 10, ctx))
+        lat: dict[int, list[float]] = {}
+        wall: dict[int, float] = {}
+        cpu: dict[int, float] = {}
+        for _round in range(2):
+            for i, (mode, ctx, gw) in enumerate(runs):
+                before = group_cpu_seconds(gw.proc.pid) if gw and gw.proc else 0.0
+                got, sec = asyncio.run(measure(mode, 64, requests // 2, ctx))
+                if gw and gw.proc:
+                    cpu[i] = cpu.get(i, 0.0) + group_cpu_seconds(gw.proc.pid) - before
+                lat.setdefault(i, []).extend(got)
+                wall[i] = wall.get(i, 0.0) + sec
+    finally:
+        for gw in gateways:
+            gw.stop()
+        pg.stop()
+    cpus = Path("/proc/cpuinfo").read_text().count("processor")
+    print(
+        "\ngateway processes (--workers) at concurrency 64, Chat Completions, minimal fast engine, "
+        f"{cpus} CPUs"
+    )
+    print(
+        f"{'store':>10} {'workers':>7} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}"
+        f" {'gateway CPU ms':>15}"
+    )
+    names = [("engine", "-")] + [(store, str(n)) for store, n, _url in setups]
+    for i, (store, n) in enumerate(names):
+        xs = lat[i]
+        row = f"{store:>10} {n:>7} {len(xs):>8} {pct(xs, 0.5) * 1e3:>8.2f} {pct(xs, 0.99) * 1e3:>8.2f}"
+        row += f" {len(xs) / wall[i]:>8.0f}"
+        print(row + (f" {cpu[i] / len(xs) * 1e3:>15.2f}" if i in cpu else f" {'':>15}"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1280, help="requests per path at concurrency 64")
@@ -392,8 +468,13 @@ def main() -> int:
         default=ROOT / ".cache" / "litellm" / "bin" / "litellm",
         help="LiteLLM's CLI (litellm[proxy]); `make bench-gateway` installs it here",
     )
+    ap.add_argument(
+        "--workers",
+        type=lambda v: [int(n) for n in v.split(",")],
+        help="comma-separated worker counts: measure `--workers N` on PostgreSQL instead (no LiteLLM)",
+    )
     args = ap.parse_args()
-    if not args.litellm.exists():
+    if not args.workers and not args.litellm.exists():
         ap.error(f"no LiteLLM at {args.litellm}: `make bench-gateway` installs it, or pass --litellm PATH")
 
     from transformers import AutoTokenizer
@@ -443,6 +524,13 @@ def main() -> int:
         log=work / "gateway.log",
         health="/healthz",
     )
+    if args.workers:
+        engine.start()
+        try:
+            bench_workers(args.workers, args.requests, work, model, engine, prompt)
+        finally:
+            engine.stop()
+        return 0
     litellm = litellm_server(args.litellm, engine.url, work)
     engine.start()
     gateway.start()

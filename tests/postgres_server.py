@@ -30,7 +30,7 @@ _MISSING = (
 )
 
 
-def _bin_dir() -> Path | None:
+def postgres_bin_dir() -> Path | None:
     for d in _BIN_DIRS:
         if d and (Path(d) / "initdb").is_file() and (Path(d) / "pg_ctl").is_file():
             return Path(d)
@@ -102,7 +102,7 @@ _server: PostgresServer | None = None
 def postgres_fixture() -> Iterator[PostgresServer]:
     """The session's PostgreSQL server (started on first use); skips the test where none can run."""
     global _server
-    bin_dir = _bin_dir()
+    bin_dir = postgres_bin_dir()
     if bin_dir is None:
         pytest.skip(_MISSING)
     if _server is None:

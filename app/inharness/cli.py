@@ -217,8 +217,7 @@ def _gateway(args: argparse.Namespace) -> int:
         )
         print(f"inharness gateway: {errors}", file=sys.stderr)
         return 2
-    serve(settings)
-    return 0
+    return serve(settings)
 
 
 # --- inharness operator run | render | crds -----------------------------------------------------

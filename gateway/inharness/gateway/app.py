@@ -4,7 +4,11 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
+import secrets
+import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,10 +32,9 @@ from inharness.gateway.errors import (
     validation_error_handler,
 )
 from inharness.gateway.metrics import GatewayMetrics
-from inharness.gateway.progress import ProgressBoard
 from inharness.gateway.prompts import PromptBuilder
 from inharness.gateway.protocols import anthropic_messages, harness_api, openai_chat, openai_responses
-from inharness.gateway.serving import ServingGate
+from inharness.gateway.serving import POLL_SECONDS, ServingGate, worker_report
 from inharness.gateway.settings import GatewaySettings
 from inharness.gateway.store import Store
 
@@ -70,12 +73,16 @@ async def _open_calls(settings: GatewaySettings, session: aiohttp.ClientSession)
     for v in await store.list_versions():
         pool.set_version(v.version, v.engines)
         if v.active:
-            pool.active = v.version
+            pool.activate(v.version)
     await asyncio.gather(*(pool.check(e) for e in pool.engines()))
     metrics = GatewayMetrics()
     gate = ServingGate(default_hold_seconds=settings.hold_seconds)
     metrics.in_flight.set_function(lambda: gate.in_flight)
     metrics.held.set_function(lambda: gate.held)
+    shared = await store.serving()  # a pause still holding when this process starts holds here too
+    gate.generation = shared.generation
+    if shared.holding(time.time()):
+        gate.hold_until(shared.resumes_at or time.time())
     return CallService(
         store=store,
         pool=pool,
@@ -107,6 +114,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 _sweep_leases(calls.store, calls.metrics, settings.lease_sweep_seconds), name="lease-sweeper"
             ),
         ]
+        if calls.store.shared:
+            tasks.append(
+                asyncio.create_task(_follow_store(calls, app.state.worker_id), name="store-follower")
+            )
         try:
             yield
         finally:
@@ -114,6 +125,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await session.close()
+            if calls.store.shared:
+                with contextlib.suppress(Exception):
+                    await calls.store.forget_worker(app.state.worker_id)
             await calls.store.close()
 
     app = FastAPI(
@@ -124,7 +138,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.admin_token_digest = hashlib.sha256(settings.admin_token.encode()).digest()
-    app.state.progress = ProgressBoard()
+    app.state.worker_id = f"{os.getpid()}-{secrets.token_hex(8)}"
     app.state.served_model_name = settings.served_model_name or Path(settings.model).name
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
@@ -232,7 +246,44 @@ async def _sweep_leases(store: Store, metrics: GatewayMetrics, every: float) -> 
             metrics.leases_expired.inc(expired)
 
 
-def serve(settings: GatewaySettings) -> None:
+async def _follow_store(calls: CallService, worker_id: str) -> None:
+    """Every POLL_SECONDS: report this process (the serving generation it applied, its calls) and apply
+    what other processes on the store changed: a pause or resume, a model version registered or
+    activated. A failed poll is logged and retried; the process keeps serving what it last applied."""
+    store, gate, pool = calls.store, calls.gate, calls.pool
+    while True:
+        try:
+            read_at = time.monotonic()
+            shared, versions = await store.sync_worker(worker_report(gate, worker_id))
+            if shared.generation > gate.generation:
+                gate.apply(
+                    holding=shared.holding(time.time()),
+                    resumes_at=shared.resumes_at,
+                    generation=shared.generation,
+                )
+            known = {e.url for e in pool.engines()}
+            for v in versions:
+                pool.set_version(v.version, v.engines)
+            await asyncio.gather(*(pool.check(e) for e in pool.engines() if e.url not in known))
+            active = next((v.version for v in versions if v.active), None)
+            if active is not None and read_at > pool.active_set_at:  # not older than this process's own
+                pool.active = active
+        except Exception:
+            log.exception("applying the store's shared state failed; retrying")
+        await asyncio.sleep(POLL_SECONDS)
+
+
+def serve(settings: GatewaySettings) -> int:
+    """Run the gateway until stopped, as one process or `settings.workers` on one port; its exit code."""
+    if settings.workers > 1:
+        return _supervise(settings)
+    _serve_one(settings, sock=None, ready=None)
+    return 0
+
+
+def _serve_one(settings: GatewaySettings, *, sock: socket.socket | None, ready: Any) -> None:
+    """One gateway process: on its own socket (`sock`, a worker's) or binding host:port itself. A worker
+    tells the supervisor it is up through `ready` instead of printing."""
     import uvicorn
     import uvloop
 
@@ -248,11 +299,88 @@ def serve(settings: GatewaySettings) -> None:
     server = uvicorn.Server(config)
 
     async def run() -> None:
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=None if sock is None else [sock]))
         while not server.started and not task.done():  # noqa: ASYNC110 (uvicorn exposes no event)
             await asyncio.sleep(0.05)
-        if server.started:
+        if server.started and ready is not None:
+            ready.put(os.getpid())
+        elif server.started:
             print(f"gateway ready on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
         await task
 
     uvloop.run(run())
+
+
+def _reuseport_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _worker(settings: GatewaySettings, parent: int, ready: Any) -> None:
+    """A worker process: dies with its supervisor (PR_SET_PDEATHSIG), listens on its own SO_REUSEPORT
+    socket, so the kernel spreads connections over the workers."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the supervisor died before prctl took effect
+        return
+    _serve_one(settings, sock=_reuseport_socket(settings.host, settings.port), ready=ready)
+
+
+def _supervise(settings: GatewaySettings) -> int:
+    """Start `settings.workers` gateway processes on one port and wait. A worker that exits stops the
+    whole gateway (exit code 1), so that what runs it (Kubernetes, systemd) restarts it whole rather
+    than this process hiding a crash loop; SIGTERM or SIGINT stops the workers and exits 0."""
+    import multiprocessing
+    import signal
+    from multiprocessing.connection import wait
+
+    # Holds the port (and picks one for --port 0): bound with SO_REUSEPORT, never listening, so every
+    # connection goes to a worker's socket.
+    holder = _reuseport_socket(settings.host, settings.port)
+    port = holder.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    worker_settings = settings.model_copy(update={"port": port})
+    procs = [
+        ctx.Process(target=_worker, args=(worker_settings, os.getpid(), ready), name=f"gateway-worker-{i}")
+        for i in range(settings.workers)
+    ]
+    signalled = False
+
+    def stop() -> None:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+
+    def on_signal(_signum: int, _frame: Any) -> None:
+        nonlocal signalled
+        signalled = True
+        stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for p in procs:
+        p.start()
+    started = 0
+    while started < len(procs) and not signalled and all(p.is_alive() for p in procs):
+        with contextlib.suppress(Exception):
+            ready.get(timeout=0.2)
+            started += 1
+    if started == len(procs):
+        print(
+            f"gateway ready on http://{settings.host}:{port} ({len(procs)} workers)",
+            file=sys.stderr,
+            flush=True,
+        )
+        wait([p.sentinel for p in procs])  # the first worker to exit, or a signal's stop
+    stop()
+    for p in procs:
+        p.join()
+    holder.close()
+    return 0 if signalled else 1

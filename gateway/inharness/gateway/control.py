@@ -2,8 +2,10 @@
 leases, recorded calls and their export, model versions, pause/resume of serving, and the trainer's
 progress."""
 
+import asyncio
 import hashlib
 import hmac
+import time
 from collections.abc import AsyncIterator
 
 import orjson
@@ -14,6 +16,7 @@ from inharness.gateway import schema
 from inharness.gateway.calls import CallService
 from inharness.gateway.errors import APIError, error_response, protocol_route
 from inharness.gateway.progress import ProgressBoard
+from inharness.gateway.serving import LIVE_SECONDS, POLL_SECONDS, worker_report
 from inharness.gateway.store import Conflict, NotFound, Store
 
 
@@ -214,7 +217,7 @@ async def register_version(request: Request, body: schema.RegisterVersion) -> Re
     for engine in pool.order("", body.version):
         await pool.check(engine)
     if body.activate:
-        pool.active = body.version
+        pool.activate(body.version)
     return await list_versions(request)
 
 
@@ -224,40 +227,74 @@ async def activate_version(request: Request, body: schema.ActivateVersion) -> Re
         await _store(request).activate_version(body.version)
     except NotFound as exc:
         raise APIError(404, str(exc)) from None
-    _calls(request).pool.active = body.version
+    _calls(request).pool.activate(body.version)
     return await list_versions(request)
 
 
 @router.get("/serving", response_model=schema.ServingState)
 async def serving_state(request: Request) -> Response:
-    return _json(_calls(request).gate.state())
+    return _json(await _serving_everywhere(request))
+
+
+async def _serving_everywhere(request: Request) -> schema.ServingState:
+    """This process's gate, with the calls in flight and held in every other live process summed in."""
+    state = _calls(request).gate.state()
+    store = _store(request)
+    if store.shared:
+        for w in await store.workers(time.time() - LIVE_SECONDS):
+            if w.id != request.app.state.worker_id:
+                state.in_flight, state.held = state.in_flight + w.in_flight, state.held + w.held
+    return state
 
 
 @router.post("/serving/pause", response_model=schema.ServingState)
 async def pause(request: Request, body: schema.PauseRequest | None = None) -> Response:
+    """Pause every gateway process on the store; with `drain_seconds`, answer once every live process
+    has applied this pause and finished its calls in flight, or the drain time has passed."""
     body = body or schema.PauseRequest()
-    state = await _calls(request).gate.pause(hold_seconds=body.hold_seconds, drain_seconds=body.drain_seconds)
-    return _json(state)
+    gate, store = _calls(request).gate, _store(request)
+    deadline = time.monotonic() + body.drain_seconds
+    shared = await store.set_serving(
+        paused=True, resumes_at=time.time() + gate.hold_seconds(body.hold_seconds)
+    )
+    gate.apply(holding=True, resumes_at=shared.resumes_at, generation=shared.generation)
+    await gate.drain(body.drain_seconds)
+    if store.shared:
+        await store.sync_worker(worker_report(gate, request.app.state.worker_id))  # applied here too
+        # The other processes report through the store only: there is no event to wait on.
+        while time.monotonic() < deadline and not await _drained(request, shared.generation):  # noqa: ASYNC110
+            await asyncio.sleep(POLL_SECONDS / 2)
+    return _json(await _serving_everywhere(request))
+
+
+async def _drained(request: Request, generation: int) -> bool:
+    """Whether every other live process has applied serving `generation` (or a later one) and is idle."""
+    me = request.app.state.worker_id
+    others = [w for w in await _store(request).workers(time.time() - LIVE_SECONDS) if w.id != me]
+    return all(w.generation >= generation and w.in_flight == 0 for w in others)
 
 
 @router.post("/serving/resume", response_model=schema.ServingState)
 async def resume(request: Request) -> Response:
-    return _json(_calls(request).gate.resume())
-
-
-def _board(request: Request) -> ProgressBoard:
-    return request.app.state.progress
+    gate = _calls(request).gate
+    shared = await _store(request).set_serving(paused=False, resumes_at=None)
+    gate.apply(holding=False, resumes_at=None, generation=shared.generation)
+    return _json(await _serving_everywhere(request))
 
 
 @router.post("/progress", response_model=schema.ProgressOut)
 async def report_progress(request: Request, body: schema.ProgressReport) -> Response:
-    _board(request).record(body)
+    store = _store(request)
+    board = ProgressBoard.from_json(await store.load_progress())
+    board.record(body)
+    await store.save_progress(board.to_json())
     return await get_progress(request)
 
 
 @router.get("/progress", response_model=schema.ProgressOut)
 async def get_progress(request: Request) -> Response:
-    board, store = _board(request), _store(request)
+    store = _store(request)
+    board = ProgressBoard.from_json(await store.load_progress())
     last = board.last
     active = next((v.version for v in await store.list_versions() if v.active), None)
     counts = await store.rollout_counts()

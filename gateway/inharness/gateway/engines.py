@@ -15,6 +15,7 @@ times cheaper per request (0.30 ms vs 0.95 ms round trip to a minimal engine on 
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +82,11 @@ class EnginePool:
         self._engines: dict[str, Engine] = {}
         self._versions: dict[int, list[str]] = {}
         self.active: int | None = None
+        self.active_set_at = 0.0  # time.monotonic() of the last `activate`
+
+    def activate(self, version: int) -> None:
+        """Serve `version` from now on; `active_set_at` lets a poll that read the store earlier leave it."""
+        self.active, self.active_set_at = version, time.monotonic()
 
     def set_version(self, version: int, urls: list[str]) -> None:
         self._versions[version] = [u.rstrip("/") for u in urls]

@@ -28,6 +28,13 @@ class GatewaySettings(BaseModel):
         default="normal",
         description="normal: every answered call survives a killed gateway; full: also a power loss (fsync)",
     )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="gateway processes listening on the one port (SO_REUSEPORT); more than 1 needs a "
+        "PostgreSQL store, through which they share the serving pause, model versions and progress",
+    )
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535, description="port to listen on")
     admin_token: str = Field(min_length=8, description="bearer token of the control API")
@@ -82,6 +89,16 @@ class GatewaySettings(BaseModel):
         if data.get("admin_token") is not None:
             raise ValueError("give exactly one of admin_token and admin_token_file")
         return {**data, "admin_token": _read_secret(str(data["admin_token_file"]))}
+
+    @model_validator(mode="after")
+    def _workers_share_a_database(self) -> "GatewaySettings":
+        """A SQLite store serialises its writers inside one process only: several would fail each other."""
+        if self.workers > 1 and not self.store.startswith("postgresql"):
+            raise ValueError(
+                "--workers above 1 needs a PostgreSQL store (--store postgresql://...): "
+                "a SQLite store takes one gateway process"
+            )
+        return self
 
     @model_validator(mode="after")
     def _engine_api_key_readable(self) -> "GatewaySettings":

@@ -14,7 +14,7 @@ Stores made before this list existed (no `schema_version`) hold some prefix of m
 four check what exists before they create or add it, so such a store starts at version 0 like a new one.
 Migrations from 5 on may assume the version they follow.
 
-Why not Alembic: the whole history is six small functions; a runner of twenty lines with one lock
+Why not Alembic: the whole history is seven small functions; a runner of twenty lines with one lock
 is easier to read, test and trust than an extra dependency with its own environment and config.
 """
 
@@ -187,6 +187,38 @@ def _counters(conn: Connection) -> None:
     conn.execute(insert(counters), [{"name": name, "value": value} for name, value in start.items()])
 
 
+def _shared_serving(conn: Connection) -> None:
+    """What every gateway process must agree on: the serving pause, the live processes, the progress board."""
+    md = MetaData()
+    serving = Table(
+        "serving",
+        md,
+        Column("id", Integer, primary_key=True, autoincrement=False),
+        Column("paused", Boolean, nullable=False),
+        Column("resumes_at", Float),
+        Column("generation", BigInteger, nullable=False),
+    )
+    Table(
+        "gateway_workers",
+        md,
+        Column("id", String(40), primary_key=True),
+        Column("host", Text, nullable=False),
+        Column("pid", Integer, nullable=False),
+        Column("seen_at", Float, nullable=False),
+        Column("generation", BigInteger, nullable=False),
+        Column("in_flight", Integer, nullable=False),
+        Column("held", Integer, nullable=False),
+    )
+    Table(
+        "progress",
+        md,
+        Column("id", Integer, primary_key=True, autoincrement=False),
+        Column("board", JSON, nullable=False),
+    )
+    md.create_all(conn)
+    conn.execute(insert(serving).values(id=1, paused=False, resumes_at=None, generation=0))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "rollouts, attempts, calls, model_versions", _first_tables),
     Migration(2, "posted_rewards", _posted_rewards),
@@ -197,6 +229,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         6,
         "calls.prompt_prefix: a continuation stores its new prompt ids only",
         _add_call_column("prompt_prefix", Integer),
+    ),
+    Migration(
+        7, "serving, gateway_workers, progress: state shared by every gateway process", _shared_serving
     ),
 )
 LATEST = MIGRATIONS[-1].version

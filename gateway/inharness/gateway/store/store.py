@@ -32,6 +32,7 @@ from sqlalchemy import (
     Engine,
     bindparam,
     create_engine,
+    delete,
     event,
     func,
     insert,
@@ -51,9 +52,12 @@ from inharness.gateway.store.tables import (
     attempts,
     calls,
     counters,
+    gateway_workers,
     model_versions,
     posted_rewards,
+    progress,
     rollouts,
+    serving,
 )
 
 SqliteSync = Literal["off", "normal", "full"]
@@ -120,6 +124,32 @@ class CallRecord:
     notes: Sequence[str] = ()  # what of the request the prompt leaves out, and why
     turns_digest: str | None = None  # reply digest of the turns chain (no system messages, no tools)
     id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SharedServing:
+    """The serving pause as the store holds it; `generation` counts its changes."""
+
+    paused: bool
+    resumes_at: float | None
+    generation: int
+
+    def holding(self, now: float) -> bool:
+        """Paused and its hold timeout not yet passed."""
+        return self.paused and (self.resumes_at is None or now < self.resumes_at)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """One gateway process as it last reported itself: the serving generation it has applied, its calls."""
+
+    id: str
+    host: str
+    pid: int
+    seen_at: float
+    generation: int
+    in_flight: int
+    held: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -733,12 +763,80 @@ class Store:
     async def list_versions(self) -> list[schema.ModelVersionOut]:
         async with self._engine.connect() as conn:
             rows = (await conn.execute(select(model_versions).order_by(model_versions.c.version))).all()
-        return [
-            schema.ModelVersionOut(
-                version=r.version, engines=r.engines, active=r.active, created_at=r.created_at
+        return [_version_out(r) for r in rows]
+
+    # -- state shared by the gateway's processes -------------------------------------------------
+
+    @property
+    def shared(self) -> bool:
+        """Whether other processes may use this store (PostgreSQL); a SQLite store has one gateway."""
+        return self._write_lock is None
+
+    async def serving(self) -> SharedServing:
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(select(serving).where(serving.c.id == 1))).one()
+        return SharedServing(row.paused, row.resumes_at, row.generation)
+
+    async def set_serving(self, *, paused: bool, resumes_at: float | None) -> SharedServing:
+        """Pause (until `resumes_at`) or resume every gateway process on this store; a new generation."""
+        async with self._writing() as conn:
+            row = (
+                await conn.execute(
+                    update(serving)
+                    .where(serving.c.id == 1)
+                    .values(paused=paused, resumes_at=resumes_at, generation=serving.c.generation + 1)
+                    .returning(serving.c.paused, serving.c.resumes_at, serving.c.generation)
+                )
+            ).one()
+        return SharedServing(row.paused, row.resumes_at, row.generation)
+
+    async def sync_worker(self, report: WorkerReport) -> tuple[SharedServing, list[schema.ModelVersionOut]]:
+        """Record this process's report and read what it must apply: the serving pause and the model
+        versions. One transaction, three small statements: a process runs it every poll."""
+        async with self._writing() as conn:
+            values = {
+                "host": report.host,
+                "pid": report.pid,
+                "seen_at": report.seen_at,
+                "generation": report.generation,
+                "in_flight": report.in_flight,
+                "held": report.held,
+            }
+            dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+            await conn.execute(
+                dialect_insert(gateway_workers)
+                .values(id=report.id, **values)
+                .on_conflict_do_update(index_elements=[gateway_workers.c.id], set_=values)
             )
-            for r in rows
-        ]
+            row = (await conn.execute(select(serving).where(serving.c.id == 1))).one()
+            rows = (await conn.execute(select(model_versions).order_by(model_versions.c.version))).all()
+        return SharedServing(row.paused, row.resumes_at, row.generation), [_version_out(r) for r in rows]
+
+    async def workers(self, seen_after: float) -> list[WorkerReport]:
+        """The gateway processes that reported after `seen_after`."""
+        async with self._engine.connect() as conn:
+            rows = (
+                await conn.execute(select(gateway_workers).where(gateway_workers.c.seen_at > seen_after))
+            ).all()
+        return [WorkerReport(r.id, r.host, r.pid, r.seen_at, r.generation, r.in_flight, r.held) for r in rows]
+
+    async def forget_worker(self, worker_id: str) -> None:
+        """A process stopping: the others need not wait for it."""
+        async with self._writing() as conn:
+            await conn.execute(delete(gateway_workers).where(gateway_workers.c.id == worker_id))
+
+    async def save_progress(self, board: dict[str, Any]) -> None:
+        async with self._writing() as conn:
+            dialect_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+            await conn.execute(
+                dialect_insert(progress)
+                .values(id=1, board=board)
+                .on_conflict_do_update(index_elements=[progress.c.id], set_={"board": board})
+            )
+
+    async def load_progress(self) -> dict[str, Any] | None:
+        async with self._engine.connect() as conn:
+            return await conn.scalar(select(progress.c.board).where(progress.c.id == 1))
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -770,6 +868,12 @@ class _WriteTxn:
         finally:
             if self._store._write_lock is not None:
                 self._store._write_lock.release()
+
+
+def _version_out(r: Any) -> schema.ModelVersionOut:
+    return schema.ModelVersionOut(
+        version=r.version, engines=r.engines, active=r.active, created_at=r.created_at
+    )
 
 
 async def _activate(conn: AsyncConnection, version: int) -> None:

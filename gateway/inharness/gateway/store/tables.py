@@ -133,6 +133,40 @@ counters = Table(
     Column("value", BigInteger, nullable=False),
 )
 
+# Serving state shared by every gateway process (one row, id 1): a pause or resume is written here first
+# and applied by each process within its poll (app.py); `generation` counts the changes, so a process
+# knows whether it has applied the latest one.
+serving = Table(
+    "serving",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("paused", Boolean, nullable=False),
+    Column("resumes_at", Float),
+    Column("generation", BigInteger, nullable=False),
+)
+
+# Each live gateway process, as it last reported itself: a pause waits for every process seen lately
+# to have applied it and drained, and GET /serving sums their calls.
+gateway_workers = Table(
+    "gateway_workers",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("seen_at", Float, nullable=False),
+    Column("generation", BigInteger, nullable=False),
+    Column("in_flight", Integer, nullable=False),
+    Column("held", Integer, nullable=False),
+)
+
+# The trainer's progress board (progress.py), one row (id 1), so that every process answers the same.
+progress = Table(
+    "progress",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=False),
+    Column("board", JSON, nullable=False),
+)
+
 # One row per migration applied (migrations.py): the store's schema version is the highest.
 schema_version = Table(
     "schema_version",
