@@ -341,8 +341,9 @@ class CallService:
         say what of the request the prompt leaves out, and are recorded with the call;
         `client_gone` tells whether the harness has disconnected (then nothing is generated for it
         after a pause, and nothing recorded)."""
+        held = self.gate.holding  # only a held call can have lost its client before it starts
         async with self.gate.admit():
-            if await client_gone():
+            if held and await client_gone():
                 self.metrics.calls_dropped.labels(CLIENT_GONE).inc()
                 raise APIError(499, "the client left while its call was held; nothing was generated")
             if self.pool.active is None:

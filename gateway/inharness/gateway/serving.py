@@ -39,6 +39,11 @@ class ServingGate:
         self.held = 0
         self.generation = 0  # the store's serving generation last applied here
 
+    @property
+    def holding(self) -> bool:
+        """Whether a call admitted now waits (a pause is on)."""
+        return not self._open.is_set()
+
     @asynccontextmanager
     async def admit(self) -> AsyncIterator[None]:
         if not self._open.is_set():

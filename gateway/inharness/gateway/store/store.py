@@ -62,6 +62,21 @@ from inharness.gateway.store.tables import (
 
 SqliteSync = Literal["off", "normal", "full"]
 _INSERT_CALLS = insert(calls).returning(calls.c.id, sort_by_parameter_order=True)
+# The writer's two reads in every record's transaction, built once: building a statement costs more
+# Python than running it (`bench/RESULTS.md`, "What issue 17's checks cost").
+_LIVE_ATTEMPTS = (
+    select(attempts.c.id)
+    .where(
+        attempts.c.id.in_(bindparam("ids", expanding=True)),
+        attempts.c.status == "running",
+        attempts.c.lease_expires_at >= bindparam("now"),
+    )
+    .order_by(attempts.c.id)
+    .with_for_update(read=True)
+)
+_PARENTS = select(calls.c.id, calls.c.prompt_prefix, calls.c.prompt_ids, calls.c.response_ids).where(
+    calls.c.id.in_(bindparam("ids", expanding=True))
+)
 # Ids bound per IN (...): well under SQLite's limit on a statement's parameters.
 _IDS_PER_STATEMENT = 500
 # A completion's failure_reason when its info gives none.
@@ -1035,18 +1050,7 @@ def _insert_calls(conn: Connection, records: Sequence[CallRecord]) -> list[int |
     stay share-locked until the commit, so a completion (which locks its row for update) comes wholly
     before the check or wholly after the record; on SQLite every write of the process is serialised."""
     attempt_ids = sorted({r.attempt_id for r in records})
-    live = set(
-        conn.execute(
-            select(attempts.c.id)
-            .where(
-                attempts.c.id.in_(attempt_ids),
-                attempts.c.status == "running",
-                attempts.c.lease_expires_at >= time.time(),
-            )
-            .order_by(attempts.c.id)
-            .with_for_update(read=True)
-        ).scalars()
-    )
+    live = set(conn.execute(_LIVE_ATTEMPTS, {"ids": attempt_ids, "now": time.time()}).scalars())
     kept = [r for r in records if r.attempt_id in live]
     if not kept:
         return [None] * len(records)
@@ -1063,8 +1067,7 @@ def _prefixes(conn: Connection, records: Sequence[CallRecord]) -> list[int | Non
     wanted = {r.parent_call_id for r in records if r.prefix_reused and r.parent_call_id is not None}
     if not wanted:
         return [None] * len(records)
-    query = select(calls.c.id, calls.c.prompt_prefix, calls.c.prompt_ids, calls.c.response_ids)
-    parents = {p.id: p for p in conn.execute(query.where(calls.c.id.in_(list(wanted))))}
+    parents = {p.id: p for p in conn.execute(_PARENTS, {"ids": list(wanted)})}
     out: list[int | None] = []
     for rec in records:
         parent = parents.get(rec.parent_call_id) if rec.prefix_reused else None
