@@ -264,7 +264,7 @@ class CallService:
         # Keys of running attempts as last read from the store, trusted until the lease they carry
         # passes; every path that moves a lease or ends an attempt here updates or forgets them.
         self._auth: dict[str, AttemptAuth] = {}
-        self._token_of: dict[str, str] = {}  # attempt id -> its key
+        self._token_of: dict[str, str] = {}  # attempt id -> its key, for the keys in `_auth`
 
     async def authenticate(self, token: str | None) -> AttemptAuth:
         if not token:
@@ -289,9 +289,8 @@ class CallService:
                 403, f"attempt {auth.id} is {state}; its key no longer serves calls", code="attempt_finished"
             )
         while len(self._auth) >= MAX_CACHED_KEYS:  # the oldest key is read from the store again
-            del self._auth[next(iter(self._auth))]
-        while len(self._token_of) >= 4 * MAX_CACHED_KEYS:  # ids are small; attempts end unseen
-            del self._token_of[next(iter(self._token_of))]
+            evicted = self._auth.pop(next(iter(self._auth)))
+            self._token_of.pop(evicted.id, None)
         self._auth[token] = auth
         self._token_of[auth.id] = token
         return auth

@@ -160,8 +160,7 @@ async def _closing(
             yield event
     except BaseException:
         if not ctx.recorded and ctx.dropped is None:
-            ctx.dropped = CLIENT_GONE
-            metrics.calls_dropped.labels(CLIENT_GONE).inc()
+            ctx.service.dropped(ctx, CLIENT_GONE)  # counted; its error has nobody left to read it
         raise
     finally:
         await stack.aclose()
