@@ -1,9 +1,10 @@
 """`inharness run FILE.yaml`: the whole system on one machine, from the same spec a cluster takes.
 
-Starts the engine and the gateway (SQLite store in the output directory) on 127.0.0.1, the local
-rollout controller (one harness subprocess per attempt, whatever the RolloutPool's backend: a pool
-with backend kubernetes, as the operator runs it, runs here as local processes and its harness's
-image is not used), and the training loop.
+Starts the engine (or, with `spec.trainer.inference: vllm`, verl's vLLM servers on the GPUs) and the
+gateway (SQLite store in the output directory) on 127.0.0.1, the local rollout controller (one harness
+subprocess per attempt, whatever the RolloutPool's backend: a pool with backend kubernetes, as the
+operator runs it, runs here as local processes and its harness's image is not used), and the training
+loop.
 
 What a user can rely on: every path is absolute before a child sees it; the output directory is
 locked for one run, and the children die with it (even under SIGKILL); a child that dies is
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from inharness.operator.rollouts import ClaimingController
     from inharness.runlock import RunLock
     from inharness.supervisor import Supervisor
+    from inharness.trainer.inference import Inference
     from inharness.trainer.loop import LoopState, NoTrainableSamples, RunDir, TrainingLoop
 
 
@@ -154,7 +156,13 @@ async def _train_locked(
     resume: bool,
     max_consecutive_failures: int,
 ) -> int:
-    run = _LocalRun(file, specs, tasks, rd, resume=resume, max_consecutive_failures=max_consecutive_failures)
+    try:
+        run = _LocalRun(
+            file, specs, tasks, rd, resume=resume, max_consecutive_failures=max_consecutive_failures
+        )
+    except ValueError as exc:  # a spec this machine cannot run, e.g. vLLM without a GPU
+        print(f"inharness run: {exc}", file=sys.stderr)
+        return 2
     failure = await run.run(lock)
     return run.finish(failure)
 
@@ -179,18 +187,34 @@ class _LocalRun:
         self.file, self.specs, self.tasks, self.rd = file, specs, tasks, rd
         self.resume, self.max_consecutive_failures = resume, max_consecutive_failures
         self.policy, self.state, self.serve_path = load_policy(specs, rd, resume=resume)
+        self.vllm = specs.training_run.spec.trainer.inference == "vllm"
         self.progress: _Progress | None = None
         self.training: TrainingLoop | None = None
 
-    def _children(self, lock: "RunLock") -> tuple[ServerProcess, ServerProcess, "Supervisor", str]:
-        """The engine and the gateway (not started yet), the supervisor that restarts them, and the
-        gateway's admin token."""
+    async def _inference(self) -> "Inference":
+        """What answers the calls: inharness's engine (a child, on a port of its own; its URL is known
+        before it starts), or the vLLM servers that verl starts in the policy's workers (minutes)."""
+        from inharness.trainer.inference import EngineServers
+        from inharness.trainer.verl_engine.servers import VllmServers
+
+        if self.vllm:
+            _say("starting the vLLM servers on the training GPUs (verl's hybrid engine)")
+            return await asyncio.to_thread(VllmServers.start, self.policy, self.state.version)  # type: ignore[arg-type]
+        url = f"http://127.0.0.1:{free_port()}"
+        return EngineServers(self.policy, [url], self.rd.weights, wait_seconds=RECONNECT_SECONDS)
+
+    def _children(
+        self, lock: "RunLock", inference: "Inference"
+    ) -> tuple[ServerProcess | None, ServerProcess, "Supervisor", str]:
+        """The engine (none with vLLM) and the gateway (not started yet), the supervisor that restarts
+        them, and the gateway's admin token."""
         from inharness.supervisor import Supervisor
 
         rd, state, pool = self.rd, self.state, self.specs.rollout_pool
         model_path = self.specs.resolve(self.specs.training_run.spec.model.path)
         admin = secrets.token_hex(24)
-        eport, gport = free_port(), free_port()
+        urls, gport = inference.urls(), free_port()
+        eport = int(urls[0].rsplit(":", 1)[1])
         keep_lock = (lock.fd,)  # the run directory stays locked until these children are gone too
 
         def engine_on(weights: Path) -> ServerProcess:
@@ -203,7 +227,8 @@ class _LocalRun:
             )
 
         def gateway_at(version: int) -> ServerProcess:
-            argv = ["gateway", "--model", str(model_path), "--engine", f"http://127.0.0.1:{eport}"]
+            argv = ["gateway", "--model", str(model_path)]
+            argv += [arg for url in urls for arg in ("--engine", url)]
             argv += ["--model-version", str(version), "--store", f"sqlite:///{rd.root / 'gateway.db'}"]
             argv += ["--port", str(gport), "--admin-token", admin]
             argv += ["--max-attempts", str(pool.spec.max_attempts_per_rollout)]
@@ -215,9 +240,11 @@ class _LocalRun:
             current = rd.weights / f"v{state.version}"
             return current if current.is_dir() else self.serve_path
 
-        engine, gateway = engine_on(self.serve_path), gateway_at(state.version)
+        gateway = gateway_at(state.version)
         supervisor = Supervisor(_say)
-        supervisor.add("engine", engine, lambda: engine_on(served_weights()))
+        engine = None if self.vllm else engine_on(self.serve_path)
+        if engine is not None:
+            supervisor.add("engine", engine, lambda: engine_on(served_weights()))
         supervisor.add("gateway", gateway, lambda: gateway_at(state.version))
         return engine, gateway, supervisor, admin
 
@@ -227,18 +254,21 @@ class _LocalRun:
 
         # Harness commands such as `python harness.py` resolve to this environment's interpreter first.
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        engine, gateway, supervisor, admin = self._children(lock)
+        inference = await self._inference()
+        engine, gateway, supervisor, admin = self._children(lock, inference)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
             for proc in (engine, gateway):
+                if proc is None:
+                    continue
                 proc.spawn()  # from the event loop's thread, so that the child dies with this process
                 await asyncio.to_thread(proc.wait_healthy, 120.0)
             async with GatewayClient(gateway.url, admin, connect_retry_seconds=RECONNECT_SECONDS) as gw:
-                await gw.register_version(self.state.version, [engine.url], activate=True)
-                return await self._train(gw, gateway.url, engine.url, supervisor, stop)
+                await gw.register_version(self.state.version, inference.urls(), activate=True)
+                return await self._train(gw, gateway.url, inference, supervisor, stop)
         except (GatewayError, httpx.HTTPError) as exc:
             return f"the gateway failed: {exc!r} (log: {self.rd.logs / 'gateway.log'})"
         except RuntimeError as exc:  # a child that would not start, an engine that refused weights
@@ -256,7 +286,7 @@ class _LocalRun:
         self,
         gw: "GatewayClient",
         gateway_url: str,
-        engine_url: str,
+        inference: "Inference",
         supervisor: "Supervisor",
         stop: asyncio.Event,
     ) -> str | None:
@@ -286,14 +316,13 @@ class _LocalRun:
         self.progress = _Progress(self.specs.training_run.spec.steps, self.state.step, controller)
         self.training = training = TrainingLoop(
             gateway=gw,
-            engine_urls=[engine_url],
+            inference=inference,
             policy=self.policy,
             tasks=self.tasks,
             config=loop_config(self.specs),
             run_dir=self.rd,
             state=self.state,
             on_progress=self.progress,
-            engine_wait_seconds=RECONNECT_SECONDS,
         )
         await training.hold_adopted()
         rollouts = asyncio.create_task(controller.run(stop), name="rollouts")

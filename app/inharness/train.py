@@ -50,6 +50,7 @@ import httpx
 
 from inharness.procs import ServerProcess
 from inharness.trainer import raycluster
+from inharness.trainer.inference import EngineServers, Inference
 
 if TYPE_CHECKING:
     from inharness.gateway.client import GatewayClient
@@ -164,6 +165,8 @@ async def _train(
             loaded = await _load(config, out, gw, sha)
             if loaded is None:
                 return 1
+            if loaded.specs.training_run.spec.trainer.inference == "vllm":
+                return await _run_on_vllm(loaded, gw, sha, stop, health=(engine_host, engine_port))
             argv = ["engine", "--model", str(loaded.serve_path), "--host", engine_host]
             argv += ["--port", str(engine_port), "--weights-root", str(loaded.rd.weights)]
             if engine_api_key_file is not None:
@@ -174,7 +177,10 @@ async def _train(
             try:
                 engine.spawn()  # from the event loop's thread: the engine dies with this process
                 await asyncio.to_thread(engine.wait_healthy)
-                return await _run(loaded, gw, engine_url, sha, stop, engine_api_key)
+                inference = EngineServers(
+                    loaded.policy, [engine_url], loaded.rd.weights, api_key=engine_api_key
+                )
+                return await _run(loaded, gw, inference, sha, stop)
             finally:
                 await asyncio.to_thread(engine.stop)
     finally:
@@ -266,29 +272,50 @@ async def _load(config: Path, out: Path, gw: "GatewayClient", sha: str) -> _Load
     return _Loaded(specs, tasks, rd, policy, state, serve_path)
 
 
+async def _run_on_vllm(
+    loaded: _Loaded,
+    gw: "GatewayClient",
+    sha: str,
+    stop: asyncio.Event,
+    *,
+    health: tuple[str, int],
+) -> int:
+    """`_run` with verl's vLLM servers in the policy's workers (`spec.trainer.inference: vllm`): no
+    engine process, so this process answers the pod's probes on the engine port itself (`/health`, as
+    a Ray node does); the gateway dials the servers at their own addresses and ports."""
+    from inharness.trainer.verl_engine.servers import VllmServers
+
+    server = ThreadingHTTPServer(health, _HealthHandler)
+    threading.Thread(target=server.serve_forever, name="health", daemon=True).start()
+    try:
+        inference = await asyncio.to_thread(VllmServers.start, loaded.policy, loaded.state.version)  # type: ignore[arg-type]
+        return await _run(loaded, gw, inference, sha, stop)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 async def _run(
     loaded: _Loaded,
     gw: "GatewayClient",
-    engine_url: str,
+    inference: Inference,
     sha: str,
     stop: asyncio.Event,
-    engine_api_key: str | None,
 ) -> int:
     """Serve the first version, train to the last step, then wait to be scaled down."""
     from inharness.trainer.config import loop_config
     from inharness.trainer.loop import NoTrainableSamples, TrainingLoop
 
     state, steps = loaded.state, loaded.specs.training_run.spec.steps
-    await gw.register_version(state.version, [engine_url], activate=True)
+    await gw.register_version(state.version, inference.urls(), activate=True)
     training = TrainingLoop(
         gateway=gw,
-        engine_urls=[engine_url],
+        inference=inference,
         policy=loaded.policy,
         tasks=loaded.tasks,
         config=loop_config(loaded.specs, config_sha256=sha),
         run_dir=loaded.rd,
         state=state,
-        engine_api_key=engine_api_key,
     )
     if state.step >= steps:
         await training.report("complete")
@@ -379,9 +406,10 @@ def _start_ray_head(ray: RayCluster) -> raycluster.RayNode:
 
 
 class _HealthHandler(BaseHTTPRequestHandler):
-    """/health of a Ray node that is not the head: 200 while the node's process runs, joined or
-    waiting for the head, so that the pod's probes (the engine's, one pod template) never kill it
-    while the head starts; a wedged process stops answering and the liveness probe restarts it."""
+    """/health of a trainer pod without an engine process (a Ray node that is not the head, or the head
+    when vLLM answers the calls): 200 while the process runs, joined or waiting for the head, so that
+    the pod's probes (the engine's, one pod template) never kill it while the head or vLLM starts; a
+    wedged process stops answering and the liveness probe restarts it."""
 
     def do_GET(self) -> None:
         found = self.path.split("?")[0] == "/health"

@@ -89,8 +89,8 @@ def _loop(gw: GatewayClient, tmp_path: Path, step: int) -> TrainingLoop:
     )
     return TrainingLoop(
         gateway=gw,
-        engine_urls=[],
-        policy=None,  # type: ignore[arg-type]  # reporting never touches the policy
+        inference=None,  # type: ignore[arg-type]  # reporting never touches inference or the policy
+        policy=None,  # type: ignore[arg-type]
         tasks=[],
         config=config,
         run_dir=RunDir(tmp_path),

@@ -558,6 +558,22 @@ CEL_REJECTS: list[tuple[str, str, dict[tuple[str, ...], Any], dict[tuple[str, ..
      "set exactly one of tasks and path"),
     ("torch-on-several-nodes", "TrainingRun", {("spec", "trainer"): {"engine": "torch", "nodes": 2}}, None,
      "nodes above 1 need engine verl: the torch engine trains in one pod"),
+    ("vllm-with-torch", "TrainingRun", {("spec", "trainer"): {"engine": "torch", "inference": "vllm"}}, None,
+     "inference vllm needs engine verl and gpus of at least 1: verl starts the vLLM servers on the "
+     "trainer's GPUs"),
+    ("vllm-without-gpus", "TrainingRun",
+     {("spec", "trainer"): {"engine": "verl", "gpus": 0, "inference": "vllm"}}, None,
+     "inference vllm needs engine verl and gpus of at least 1: verl starts the vLLM servers on the "
+     "trainer's GPUs"),
+    ("vllm-tensor-parallel-not-dividing-gpus", "TrainingRun",
+     {("spec", "trainer"): {"engine": "verl", "gpus": 3, "inference": "vllm",
+                            "vllm": {"tensorParallelSize": 2}}}, None,
+     "gpus must be a multiple of vllm.tensorParallelSize"),
+    ("vllm-with-async", "TrainingRun",
+     {("spec", "trainer"): {"engine": "verl", "inference": "vllm"},
+      ("spec", "scheduling"): {"mode": "async", "maxStaleness": 1}}, None,
+     "scheduling.mode async needs inference engines of their own; with trainer.inference vllm they "
+     "share the trainer's GPUs: use sync or collocated-async"),
     ("gateway-replicas-on-sqlite", "TrainingRun", {("spec", "gateway"): {"replicas": 2}}, None,
      "replicas above 1 need store.urlSecret: SQLite on a ReadWriteOnce claim serves one gateway"),
     ("gateway-replicas-on-a-null-secret", "TrainingRun",

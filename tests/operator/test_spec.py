@@ -252,6 +252,21 @@ CASES = [
     ),
     pytest.param(
         2,
+        "spec.trainer",
+        {"inference": "vllm"},
+        f"{R}: spec.trainer: inference vllm needs engine verl and gpus of at least 1 (got engine torch, "
+        "gpus 1): verl starts the vLLM servers on the trainer's GPUs",
+        id="vllm with the torch engine",
+    ),
+    pytest.param(
+        2,
+        "spec.trainer",
+        {"engine": "verl", "gpus": 3, "inference": "vllm", "vllm": {"tensorParallelSize": 2}},
+        f"{R}: spec.trainer: gpus (3) must be a multiple of vllm.tensorParallelSize (2)",
+        id="vllm tensor parallel not dividing the gpus",
+    ),
+    pytest.param(
+        2,
         "spec.gateway",
         {"replicas": 2},
         f"{R}: spec.gateway.replicas: replicas above 1 need store.urlSecret (got 2 with the SQLite store): "
@@ -591,3 +606,17 @@ def test_verl_takes_several_nodes_and_torch_one() -> None:
     run = TrainingRun.model_validate({**RUN, "spec": {**spec, "trainer": {"engine": "verl", "nodes": 4}}})
     assert (run.spec.trainer.nodes, run.spec.trainer.engine) == (4, "verl")
     assert TrainingRun.model_validate(RUN).spec.trainer.nodes == 1  # the default: one pod, torch
+
+
+def test_vllm_serves_on_the_trainer_gpus_with_verl_and_never_beside_async_updates() -> None:
+    spec = copy.deepcopy(RUN["spec"])
+    trainer = {"engine": "verl", "gpus": 2, "inference": "vllm", "vllm": {"gpuMemoryUtilization": 0.4}}
+    collocated = {"mode": "collocated-async", "maxStaleness": 1}
+    run = TrainingRun.model_validate({**RUN, "spec": {**spec, "trainer": trainer, "scheduling": collocated}})
+    assert run.spec.trainer.inference == "vllm"
+    assert run.spec.trainer.vllm.gpu_memory_utilization == 0.4
+    assert TrainingRun.model_validate(RUN).spec.trainer.inference == "engine"  # the default
+    with pytest.raises(ValueError, match="use sync or collocated-async"):
+        TrainingRun.model_validate(
+            {**RUN, "spec": {**spec, "trainer": trainer, "scheduling": {"mode": "async", "maxStaleness": 1}}}
+        )

@@ -18,6 +18,7 @@ from inharness.gateway.client import GatewayClient
 from inharness.gateway.schema import ClaimedAttempt
 from inharness.operator.spec import Scheduling
 from inharness.trainer.config import LoopConfig, UpdateConfig
+from inharness.trainer.inference import EngineServers
 from inharness.trainer.loop import LoopState, RunDir, TrainingLoop, batch_tasks
 from inharness.trainer.scheduler import (
     SCHEDULING_MODES,
@@ -245,7 +246,7 @@ def training_loop(
     )
     return TrainingLoop(
         gateway=gw,
-        engine_urls=[engine.url],
+        inference=EngineServers(policy, [engine.url], rd.weights),
         policy=policy,
         tasks=["a", "b", "c"],
         config=config,

@@ -893,6 +893,27 @@ class GatewaySpec(SpecModel):
         return replicas
 
 
+class VllmSettings(SpecModel):
+    """verl's rollout settings for vLLM servers that share the trainer's GPUs (`inference: vllm`)."""
+
+    gpu_memory_utilization: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=0.95,
+        description="Fraction of each GPU's memory vLLM takes for weights and KV cache while it serves; "
+        "it gives both back while the policy trains (vLLM's sleep mode).",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="GPUs per vLLM server; trainer GPUs must be a multiple of it."
+    )
+    max_model_len: int = Field(
+        default=8192,
+        ge=64,
+        le=1_048_576,
+        description="Longest prompt plus reply a vLLM server accepts, in tokens.",
+    )
+
+
 class TrainerSpec(SpecModel):
     model_config = _rules(
         _cel(
@@ -900,7 +921,21 @@ class TrainerSpec(SpecModel):
             "nodes above 1 need engine verl: the torch engine trains in one pod",
             field_path=".nodes",
             reason="FieldValueInvalid",
-        )
+        ),
+        _cel(
+            "self.inference != 'vllm' || (self.engine == 'verl' && self.gpus >= 1)",
+            "inference vllm needs engine verl and gpus of at least 1: verl starts the vLLM servers on "
+            "the trainer's GPUs",
+            field_path=".inference",
+            reason="FieldValueInvalid",
+        ),
+        _cel(
+            "self.inference != 'vllm' || !has(self.vllm) || !has(self.vllm.tensorParallelSize) "
+            "|| self.gpus % self.vllm.tensorParallelSize == 0",
+            "gpus must be a multiple of vllm.tensorParallelSize",
+            field_path=".vllm.tensorParallelSize",
+            reason="FieldValueInvalid",
+        ),
     )
 
     engine: Literal["torch", "verl"] = Field(
@@ -930,6 +965,17 @@ class TrainerSpec(SpecModel):
         description="Size of /dev/shm (a memory emptyDir) of each trainer pod; with engine verl, half of "
         "it is Ray's object store.",
     )
+    inference: Literal["engine", "vllm"] = Field(
+        default="engine",
+        description="What answers the gateway's calls. engine: inharness's inference server in the "
+        "trainer pod, which loads each version from a model directory (CPU, or one GPU). vllm: vLLM "
+        "servers that verl starts on the trainer's GPUs (engine verl, gpus >= 1), sharing them with "
+        "training: they sleep while the policy trains and take each version's weights in place; the "
+        "gateway learns their addresses per version. scheduling.mode sync or collocated-async.",
+    )
+    vllm: VllmSettings = Field(
+        default_factory=VllmSettings, description="The vLLM servers' settings (inference vllm)."
+    )
     pod: PodOverrides | None = Field(
         default=None,
         description="Overrides of the trainer pod; resources merge over the defaults: with gpus 0 "
@@ -950,8 +996,36 @@ class TrainerSpec(SpecModel):
             )
         return nodes
 
+    @model_validator(mode="after")
+    def _vllm_needs_verl_on_gpus(self) -> "TrainerSpec":
+        if self.inference == "vllm" and (self.engine != "verl" or self.gpus < 1):
+            raise _spec_error(
+                "inference vllm needs engine verl and gpus of at least 1 (got engine {engine}, gpus "
+                "{gpus}): verl starts the vLLM servers on the trainer's GPUs",
+                engine=self.engine,
+                gpus=self.gpus,
+            )
+        if self.inference == "vllm" and self.gpus % self.vllm.tensor_parallel_size:
+            raise _spec_error(
+                "gpus ({gpus}) must be a multiple of vllm.tensorParallelSize ({tp})",
+                gpus=self.gpus,
+                tp=self.vllm.tensor_parallel_size,
+            )
+        return self
+
 
 class TrainingRunSpec(SpecModel):
+    model_config = _rules(
+        _cel(
+            "!has(self.trainer) || self.trainer.inference != 'vllm' || !has(self.scheduling) "
+            "|| self.scheduling.mode != 'async'",
+            "scheduling.mode async needs inference engines of their own; with trainer.inference vllm "
+            "they share the trainer's GPUs: use sync or collocated-async",
+            field_path=".scheduling.mode",
+            reason="FieldValueInvalid",
+        )
+    )
+
     model: PolicyModel = Field(description="The policy to train.")
     dataset: Dataset = Field(description="Tasks to train on.")
     rollout_pool_ref: ObjectRef = Field(description="The RolloutPool that runs this run's rollouts.")
@@ -970,6 +1044,15 @@ class TrainingRunSpec(SpecModel):
     )
     gateway: GatewaySpec = Field(default_factory=GatewaySpec, description="The run's gateway on a cluster.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="The run's trainer on a cluster.")
+
+    @model_validator(mode="after")
+    def _vllm_shares_devices(self) -> "TrainingRunSpec":
+        if self.trainer.inference == "vllm" and self.scheduling.mode == "async":
+            raise _spec_error(
+                "scheduling.mode async needs inference engines of their own; with trainer.inference "
+                "vllm they share the trainer's GPUs: use sync or collocated-async"
+            )
+        return self
 
 
 _STARTED = f"has(oldSelf.status) && {_is_set('oldSelf.status.startTime')}"

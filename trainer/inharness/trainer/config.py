@@ -182,7 +182,9 @@ def load_policy(specs: Specs, rd: RunDir, *, resume: bool) -> tuple[Policy, Loop
         return policy, LoopState(), model_path
     policy.load_checkpoint(ckpt / "policy")
     state = LoopState.from_json(json.loads((ckpt / "state.json").read_text()))
-    serve_path = policy.save_pretrained(rd.weights / f"v{state.version}")
+    # vLLM servers take the restored weights from the workers (VllmServers.start), not from a directory
+    vllm = spec.trainer.engine == "verl" and spec.trainer.inference == "vllm"
+    serve_path = model_path if vllm else policy.save_pretrained(rd.weights / f"v{state.version}")
     print(f"resuming {specs.training_run.metadata.name} at step {state.step} (model version {state.version})")
     return policy, state, serve_path
 
@@ -192,9 +194,18 @@ def _engine(spec: TrainingRunSpec, model_path: Path, rd: RunDir) -> Policy:
         import torch
 
         from inharness.trainer.verl_engine.engine import VerlTrainingEngine
+        from inharness.trainer.verl_engine.servers import VllmConfig
 
         gpus = spec.trainer.gpus
-        if gpus and not torch.cuda.is_available():
+        vllm = None
+        if spec.trainer.inference == "vllm":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    "spec.trainer.inference is vllm, but this machine has no GPU that torch can use: "
+                    "vLLM runs on CUDA GPUs only (set inference: engine to train here)"
+                )
+            vllm = VllmConfig(**spec.trainer.vllm.model_dump())
+        elif gpus and not torch.cuda.is_available():
             # Ray would wait for GPUs that never come: train on the CPU cores instead, and say so.
             print(f"spec.trainer.gpus is {gpus} but this machine has no GPU: verl trains on the CPU")
             gpus = 0
@@ -209,6 +220,7 @@ def _engine(spec: TrainingRunSpec, model_path: Path, rd: RunDir) -> Policy:
             kl_reference=spec.algorithm.kl_coef > 0,
             nnodes=spec.trainer.nodes,
             gpus_per_node=gpus,
+            vllm=vllm,
         )
     from inharness.trainer.torch_engine import TorchTrainingEngine
 

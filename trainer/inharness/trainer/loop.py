@@ -1,9 +1,10 @@
 """The training loop: enqueue groups of rollouts, wait for them, train, publish the next version.
 
 It talks only to the gateway (rollout queue, export, model versions, serving pause) and to the
-engines' weight-load endpoint, so the same loop drives rollouts that run as local processes or as
-pods. What to create, train or drop is decided by `scheduler.Scheduler` (sync, async with a
-staleness bound K, collocated-async); the loop carries its decisions out and feeds it events.
+inference servers through `inference.Inference`, so the same loop drives rollouts that run as local
+processes or as pods, answered by inharness's engine or by vLLM. What to create, train or drop is
+decided by `scheduler.Scheduler` (sync, async with a staleness bound K, collocated-async); the loop
+carries its decisions out and feeds it events.
 
 Nothing lost across restarts. The journal (`journal.jsonl`) gets one line per group created (its
 slot and rollout ids), per stale drop and per trained step, each written once the gateway has
@@ -30,12 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import aiohttp
 import httpx
 
 from inharness.gateway.client import GatewayClient, GatewayError
 from inharness.gateway.schema import ExportedRollout, ProgressReport, ProgressState
 from inharness.trainer.config import LoopConfig, UpdateConfig
+from inharness.trainer.inference import Inference
 from inharness.trainer.report import append_metrics, root_reasons, truncate_metrics
 from inharness.trainer.samples import Sample, build_batch
 from inharness.trainer.scheduler import Decision, Scheduler, ScheduleState, scheduling_policy, slot_tasks
@@ -165,20 +166,16 @@ class TrainingLoop:
         self,
         *,
         gateway: GatewayClient,
-        engine_urls: list[str],
+        inference: Inference,
         policy: Policy,
         tasks: list[Any],
         config: LoopConfig,
         run_dir: RunDir,
         state: LoopState,
         on_progress: Callable[[str, dict[str, Any]], None] | None = None,
-        engine_wait_seconds: float = 0.0,
-        engine_api_key: str | None = None,
     ) -> None:
         self.gw = gateway
-        self._engine_auth = {} if engine_api_key is None else {"Authorization": f"Bearer {engine_api_key}"}
-        self.engine_wait_seconds = engine_wait_seconds
-        self.engine_urls = engine_urls
+        self.inference = inference
         self.policy = policy
         self.tasks = tasks
         self.cfg = config
@@ -391,20 +388,21 @@ class TrainingLoop:
 
     async def _update_and_publish(self, samples: list[Sample]) -> tuple[dict[str, float], float, float]:
         """Train on `samples` and serve the result as the next version; returns the update's metrics,
-        when the update ended, and how long harness calls were held: while the engines load the
+        when the update ended, and how long harness calls were held: while the servers take the
         weights, and, where inference and training share devices, while the update trains too."""
         version = self.state.version + 1
         hold = _CallHold(self.gw)
+        shared = self.inference.shares_devices
         try:
-            if self.sched.policy.hold_calls_during_update:
+            if shared or self.sched.policy.hold_calls_during_update:
                 await hold.start()
+            if shared:
+                await self.inference.release()
             update = await asyncio.to_thread(self.policy.update, samples, self.cfg.update)
             updated_at = time.monotonic()
-            path = await asyncio.to_thread(self.policy.save_pretrained, self.dir.weights / f"v{version}")
             await hold.start()
-            for url in self.engine_urls:
-                await self._load_weights(url, path, version)
-            await self.gw.register_version(version, self.engine_urls, activate=True)
+            await self.inference.publish(version)
+            await self.gw.register_version(version, self.inference.urls(), activate=True)
         finally:
             await hold.end()
         self.state.version = version
@@ -412,35 +410,6 @@ class TrainingLoop:
         if stale.exists():
             shutil.rmtree(stale)
         return update, updated_at, hold.seconds
-
-    async def _load_weights(self, url: str, path: Path, version: int) -> None:
-        """Load `path` into the engine at `url`; an engine that cannot be reached is waited for (up
-        to `engine_wait_seconds`: a supervisor may be restarting it), one that refuses is an error. With
-        an engine API key the request carries it (`inharness.engine.auth`); the engine takes only paths
-        under its weights root, which `inharness train` sets to the directory `path` is in."""
-        deadline = time.monotonic() + self.engine_wait_seconds
-        delay = 0.2
-        load = {"path": str(path)}
-        while True:
-            try:
-                async with (
-                    aiohttp.ClientSession() as session,
-                    session.post(
-                        f"{url}/v1/inharness/load_weights", json=load, headers=self._engine_auth
-                    ) as r,
-                ):
-                    if r.status != 200:
-                        raise RuntimeError(
-                            f"engine {url} refused the weights of version {version}: {await r.text()}"
-                        )
-                    return
-            except aiohttp.ClientConnectionError as exc:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"engine {url} unreachable while loading version {version}: {exc}"
-                    ) from exc
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
     # -- checkpoints -------------------------------------------------------------------------
 

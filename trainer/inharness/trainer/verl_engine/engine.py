@@ -15,8 +15,11 @@ the engine keeps verl for what it is good at, sharded training on many devices. 
 4. one ``update_actor`` call per mini-batch of whole rollouts (`samples.split_by_rollout`), the
    loss being `losses.policy_loss`; micro-batches packed by token budget (verl's dynamic batch size).
 
-Weights go out through verl's checkpoint engine: `checkpoint_files` writes a model directory per
-version that the inference engine loads. On GPUs vLLM would receive them over NCCL instead.
+Weights go out through verl's checkpoint engine. With inharness's inference engine, `checkpoint_files`
+writes a model directory per version that the engine loads. With ``vllm`` (`servers.VllmConfig`) the
+workers have the role ``actor_rollout``: each also holds a vLLM server on its GPU (verl's hybrid
+engine), which `servers.VllmServers` starts, puts to sleep during updates and hands each version's
+weights in place (the checkpoint engine ``naive``, CUDA IPC inside the worker).
 
 On CPU (``gpus_per_node == 0``) the workers run on the `cpu_platform`: fp32, sdpa attention, no
 remove-padding kernels, no torch.compile, gloo.
@@ -46,6 +49,7 @@ from inharness.trainer.algorithms import (
 from inharness.trainer.config import UpdateConfig
 from inharness.trainer.samples import RolloutIndex, Sample, index_rollouts
 from inharness.trainer.verl_engine import checkpoint_files, cpu_platform, data, losses
+from inharness.trainer.verl_engine.servers import VllmConfig, rollout_settings
 
 log = logging.getLogger("inharness.trainer.verl")
 
@@ -75,10 +79,14 @@ def worker_config(
     cpu: bool,
     update: UpdateConfig,
     weight_decay: float = 0.0,
+    vllm: VllmConfig | None = None,
+    nnodes: int = 1,
+    gpus_per_node: int = 0,
 ) -> Any:
-    """verl's ``actor_rollout_ref`` configuration for our workers: the model, AdamW, gradient clipping
-    and the learning-rate warm-up as the torch engine applies them, the token budget per micro-batch
-    (``update.max_tokens_per_microbatch``) and the checkpoint backend.
+    """verl's configuration (the whole tree; the workers take its ``actor_rollout_ref``): the model,
+    AdamW, gradient clipping and the learning-rate warm-up as the torch engine applies them, the token
+    budget per micro-batch (``update.max_tokens_per_microbatch``), the checkpoint backend, and with
+    `vllm` the vLLM servers that share the GPUs (`servers.rollout_settings`).
 
     The warm-up is verl's cosine schedule with no cycles, counted from 1: ``lr * min(1, (s + 1) / W)``
     at optimizer step ``s``, the torch engine's ramp (verl's constant schedule starts at 0 instead).
@@ -122,10 +130,16 @@ def worker_config(
         actor.entropy_coeff = 0.0
         cfg.rollout.log_prob_use_dynamic_bsz = True
         cfg.rollout.log_prob_max_token_len_per_gpu = update.max_tokens_per_microbatch
-        cfg.rollout.checkpoint_engine.backend = checkpoint_files.BACKEND
-        cfg.rollout.checkpoint_engine.engine_kwargs = {
-            checkpoint_files.BACKEND: {"root": str(weights_root), "model_dir": str(model_dir)}
-        }
+        if vllm is None:
+            cfg.rollout.checkpoint_engine.backend = checkpoint_files.BACKEND
+            cfg.rollout.checkpoint_engine.engine_kwargs = {
+                checkpoint_files.BACKEND: {"root": str(weights_root), "model_dir": str(model_dir)}
+            }
+        else:
+            cfg.rollout.update(
+                rollout_settings(vllm, dtype=dtype, seed=seed, nnodes=nnodes, gpus_per_node=gpus_per_node)
+            )
+            cfg.rollout.checkpoint_engine.backend = "naive"
         ref = cfg.ref
         ref.strategy = "fsdp2"
         # verl builds a forward-only model in bf16 and offloads it to pinned memory, which needs an
@@ -140,7 +154,7 @@ def worker_config(
         ref.fsdp_config.mixed_precision = actor.fsdp_config.mixed_precision
         ref.log_prob_use_dynamic_bsz = True
         ref.log_prob_max_token_len_per_gpu = update.max_tokens_per_microbatch
-    return cfg
+    return root
 
 
 class VerlTrainingEngine:
@@ -161,7 +175,10 @@ class VerlTrainingEngine:
         nnodes: int = 1,
         gpus_per_node: int = 0,
         cpu_workers: int = 2,
+        vllm: VllmConfig | None = None,
     ) -> None:
+        if vllm is not None and gpus_per_node == 0:
+            raise ValueError("vLLM servers need GPUs: gpus_per_node is 0")
         self.model_dir = Path(model_dir)
         self.learning_rate = learning_rate
         self.weights_root = Path(weights_root)
@@ -169,7 +186,7 @@ class VerlTrainingEngine:
         self.step = 0  # optimizer steps taken, as the torch engine counts them
         self.world_size = nnodes * (cpu_workers if self.cpu else gpus_per_node)
         self._ray()
-        cfg = worker_config(
+        self.config = worker_config(
             self.model_dir,
             learning_rate=learning_rate,
             dtype=dtype,
@@ -177,10 +194,16 @@ class VerlTrainingEngine:
             weights_root=self.weights_root,
             cpu=self.cpu,
             update=update,
+            vllm=vllm,
+            nnodes=nnodes,
+            gpus_per_node=gpus_per_node,
         )
         self.update_config = update
-        self.actor = self._group(cfg, "actor", nnodes)
-        self.ref = self._group(cfg, "ref", nnodes) if kl_reference else None
+        self.vllm = vllm
+        cfg = self.config.actor_rollout_ref
+        pool = self._pool(nnodes, groups=2 if kl_reference else 1)
+        self.actor = self._group(cfg, "actor" if vllm is None else "actor_rollout", pool)
+        self.ref = self._group(cfg, "ref", pool) if kl_reference else None
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -208,15 +231,21 @@ class VerlTrainingEngine:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.world_size))
         return env
 
-    def _group(self, cfg: Any, role: str, nnodes: int) -> Any:
-        import ray
-        from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-        from verl.workers.engine_workers import ActorRolloutRefWorker
+    def _pool(self, nnodes: int, *, groups: int) -> Any:
+        """One placement group per node for every worker group: the actor's and the reference's workers
+        share each GPU (each takes ``1 / groups`` of it, as in verl's colocated pools)."""
+        from verl.single_controller.ray import RayResourcePool
 
         per_node = self.world_size // nnodes
-        pool = RayResourcePool(
-            process_on_nodes=[per_node] * nnodes, use_gpu=not self.cpu, max_colocate_count=1
+        return RayResourcePool(
+            process_on_nodes=[per_node] * nnodes, use_gpu=not self.cpu, max_colocate_count=groups
         )
+
+    def _group(self, cfg: Any, role: str, pool: Any) -> Any:
+        import ray
+        from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+        from verl.workers.engine_workers import ActorRolloutRefWorker
+
         cls = RayClassWithInitArgs(cls=ray.remote(ActorRolloutRefWorker), config=cfg, role=role)
         cls.update_options({"runtime_env": {"env_vars": self._worker_env()}})
         group = RayWorkerGroup(
@@ -388,6 +417,11 @@ class VerlTrainingEngine:
         import ray
 
         out = Path(out_dir)
+        if self.vllm is not None:
+            raise RuntimeError(
+                "the vLLM servers take each version's weights in place (VllmServers.publish); "
+                "the trained model is in the run's checkpoints"
+            )
         if out.parent != self.weights_root or not out.name.startswith("v") or not out.name[1:].isdigit():
             raise ValueError(f"weights go to {self.weights_root}/v<version>, not {out}")
         ray.get(self.actor.update_weights(global_steps=int(out.name[1:])))
