@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-verl demo-gateway ablation test checkov lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e clean
+.PHONY: demo demo-verl demo-gateway ablation test checkov lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e gpu-smoke clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -146,6 +146,13 @@ images:
 # The chart on a kind cluster, the calc example trained to Complete; skips (exit 0) without docker and kind.
 e2e:
 	TAG=$(TAG) tools/e2e.sh
+
+# verl training and vLLM serving on one GPU, a few collocated-async steps (examples/calc/gpu_smoke.py,
+# under 8 minutes). Not the project's CPU venv: an environment with CUDA torch, vLLM and verl, e.g. the
+# trainer image's (docker/Dockerfile.trainer): make gpu-smoke GPU_PYTHON=/opt/inharness/bin/python
+GPU_PYTHON ?= python3
+gpu-smoke:
+	$(GPU_PYTHON) examples/calc/gpu_smoke.py
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) $(HARNESS_DIR) .pytest_cache .ruff_cache

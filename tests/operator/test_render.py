@@ -650,6 +650,17 @@ def test_the_trainer_accepts_the_engine_port_from_the_run_gateway_and_its_own_po
     ]
 
 
+def test_with_vllm_the_gateway_reaches_the_trainer_pods_on_any_port(specs: Specs) -> None:
+    vllm = {"engine": "verl", "gpus": 1, "inference": "vllm"}
+    with_vllm = with_spec(specs, trainer=vllm, scheduling={"mode": "collocated-async", "maxStaleness": 1})
+    objs = children(specs, with_vllm, settings=SETTINGS.model_copy(update={"namespace": "team-a"}))
+    spec = objs["NetworkPolicy/calc-trainer"]["spec"]
+    assert spec["ingress"] == [
+        {"from": [run_pods("gateway")]},  # verl's vLLM servers listen on ports they pick at start
+        {"from": [run_pods("trainer")]},
+    ]
+
+
 def test_the_gateway_accepts_the_run_harness_trainer_and_operator(specs: Specs) -> None:
     extra = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     spec = policies(specs, operator_namespace="inharness-system", extra_gateway_ingress=[extra])[

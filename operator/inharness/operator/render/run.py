@@ -346,7 +346,7 @@ def render_children(
     tr_meta = meta(trainer_name(name), "trainer")
     out.append(_trainer_statefulset(run, tr_meta, settings, _sha256(config), token_hash, replicas=replicas))
     if settings.network_policies:
-        out += network_policies(name, meta, settings)
+        out += network_policies(name, meta, settings, vllm=run.spec.trainer.inference == "vllm")
     return out
 
 
@@ -637,12 +637,15 @@ def _tcp(port: int) -> Obj:
     return {"protocol": "TCP", "port": port}
 
 
-def network_policies(run: str, meta: Callable[[str, str], Obj], settings: RenderSettings) -> list[Obj]:
+def network_policies(
+    run: str, meta: Callable[[str, str], Obj], settings: RenderSettings, *, vllm: bool = False
+) -> list[Obj]:
     """The run's three NetworkPolicies (`meta(name, component)` gives their metadata):
 
-    - `<run>-trainer`: ingress to the trainer pods from the run's gateway on the engine port, and
-      from the run's own trainer pods on any port (Ray: GCS, dashboard and client ports, and the
-      node manager's, object manager's and workers' ports, which Ray picks at start);
+    - `<run>-trainer`: ingress to the trainer pods from the run's gateway on the engine port (on any
+      port with `vllm`: verl's vLLM servers listen on ports they pick at start), and from the run's own
+      trainer pods on any port (Ray: GCS, dashboard and client ports, and the node manager's, object
+      manager's and workers' ports, which Ray picks at start);
     - `<run>-gateway`: ingress to the gateway on its port from the run's harness and trainer pods,
       the operator's pods (progress) and `extra_gateway_ingress`;
     - `<run>-harness`: egress of the run's harness pods (the agent under training, untrusted) to the
@@ -668,10 +671,10 @@ def network_policies(run: str, meta: Callable[[str, str], Obj], settings: Render
             "spec": body,
         }
 
-    trainer_in = [
-        {"from": [_pods_of(run, "gateway")], "ports": [_tcp(ENGINE_PORT)]},
-        {"from": [_pods_of(run, "trainer")]},
-    ]
+    from_gateway: Obj = {"from": [_pods_of(run, "gateway")]}
+    if not vllm:
+        from_gateway["ports"] = [_tcp(ENGINE_PORT)]
+    trainer_in = [from_gateway, {"from": [_pods_of(run, "trainer")]}]
     gateway_from = [
         _pods_of(run, "harness"),
         _pods_of(run, "trainer"),
