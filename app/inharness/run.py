@@ -232,6 +232,7 @@ class _LocalRun:
             argv += ["--model-version", str(version), "--store", f"sqlite:///{rd.root / 'gateway.db'}"]
             argv += ["--port", str(gport), "--admin-token", admin]
             argv += ["--max-attempts", str(pool.spec.max_attempts_per_rollout)]
+            argv += ["--bodies", self.specs.training_run.spec.gateway.store.bodies]
             return ServerProcess.inharness(
                 argv, port=gport, log=rd.logs / "gateway.log", health="/healthz", pass_fds=keep_lock
             )

@@ -3,6 +3,7 @@ stale completions, export; and its migrations: a new store, and stores made befo
 
 import asyncio
 import itertools
+import json
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 from postgres_server import postgres_fixture, postgres_url_fixture  # noqa: F401 (the fixtures)
 from pydantic import ValidationError
-from sqlalchemy import Connection, inspect, text
+from sqlalchemy import Connection, insert, inspect, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from inharness.gateway import schema
@@ -21,7 +22,7 @@ from inharness.gateway.settings import GatewaySettings
 from inharness.gateway.store import CallRecord, Conflict, SchemaTooNew, Store
 from inharness.gateway.store.migrations import LATEST, MIGRATIONS
 from inharness.gateway.store.store import store_url
-from inharness.gateway.store.tables import metadata
+from inharness.gateway.store.tables import attempts, calls, metadata, rollouts, schema_version
 
 
 @pytest.fixture(params=["sqlite", "postgresql"], name="url")
@@ -390,6 +391,154 @@ async def test_a_continuation_stores_only_its_new_prompt_ids_and_every_read_give
     assert [c.prompt_ids for c in exported.calls] == [r.prompt_ids for r in records]
 
 
+# --- request bodies: a continuation's stored as the items its conversation list adds ----------------------
+
+# A first turn of each protocol the store sees, and what the next turn appends to its list. Key order
+# differs from sorted (`model` after `messages`), and values a Python comparison would take as equal
+# to others (1 and true, 1.0) are in them, to show that the round trip is exact.
+_FIRST_BODIES: dict[str, tuple[dict[str, Any], str]] = {
+    "openai.chat": (
+        {
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+3?"}],
+            "model": "m",
+            "temperature": 1.0,
+            "n": 1,
+        },
+        "messages",
+    ),
+    "anthropic.messages": (
+        {
+            "model": "m",
+            "system": "be brief",
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "2+3?"}]}],
+        },
+        "messages",
+    ),
+    "openai.responses": (
+        {
+            "model": "m",
+            "instructions": "be brief",
+            "messages": "not a list",
+            "input": [{"type": "message", "role": "user", "content": "2+3?"}],
+            "store": True,
+        },
+        "input",
+    ),
+}
+
+
+def _next_items(turn: int) -> list[Any]:
+    """What a turn appends: the previous reply and a tool result (values 1, true, 1.0 on purpose)."""
+    reply = {"role": "assistant", "content": f"call {turn}", "tool_calls": [{"id": f"c{turn}", "index": 1}]}
+    return [reply, {"role": "tool", "tool_call_id": f"c{turn}", "content": "5", "ok": True, "score": 1.0}]
+
+
+async def _stored_bodies(url: str) -> dict[int, tuple[int | None, str]]:
+    """Per call id: (body_prefix, its request_body as the database holds it, text)."""
+    engine = create_async_engine(store_url(url))
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(text("SELECT id, body_prefix, CAST(request_body AS TEXT) FROM calls"))
+            return {r[0]: (r[1], r[2]) for r in rows}
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize("protocol", sorted(_FIRST_BODIES))
+async def test_a_continuation_stores_only_the_body_items_it_adds_and_every_reader_gives_the_exact_body(
+    store: Store, url: str, protocol: str
+) -> None:
+    await store.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=1)
+    attempt = await store.claim("default", 60)
+    first, key = _FIRST_BODIES[protocol]
+    chain: list[CallRecord] = []
+    body = first
+    for n in range(5):
+        rec = _turn(attempt, n, [1, 2, 3], chain[-1] if chain else None)
+        rec.protocol, rec.request_body = protocol, body
+        rec.response_body = {"id": f"r{n}", "object": "response", "n": n}
+        await store.record_calls([rec])
+        chain.append(rec)
+        body = {**body, key: body[key] + _next_items(n)}
+    # Children of the last turn: an edited history (its first item changed), the same items with keys
+    # reordered, with `true` where the parent has 1, and one that appends nothing, alongside one that
+    # extends it. Only the ones whose list starts with the parent's, byte for byte, are kept short.
+    parent, items = chain[-1], chain[-1].request_body[key]
+    edited = [{**items[0], "content": "changed"}, *items[1:], *_next_items(9)]
+    reordered = [dict(reversed(items[-1].items())), *_next_items(9)]
+    reordered = [*items[:-1], *reordered]
+    retyped = [*items[:-2], {**items[-2], "tool_calls": [{"id": "c3", "index": True}]}, items[-1]]
+    variants = {
+        "edited": edited,
+        "reordered": reordered,
+        "retyped": retyped,
+        "same": items,
+        "extends": [*items, *_next_items(9)],
+    }
+    children = []
+    for n, name in enumerate(variants):
+        child = _turn(attempt, 10 + n, [1, 2, 3], parent, reused=False)
+        child.protocol, child.request_body = protocol, {**parent.request_body, key: variants[name]}
+        children.append(child)
+    await store.record_calls(children)
+    records = [*chain, *children]
+
+    stored = await _stored_bodies(url)
+    assert stored[chain[0].id][0] is None
+    for before, rec in itertools.pairwise(chain):
+        assert stored[rec.id][0] == len(before.request_body[key])
+        assert len(stored[rec.id][1]) < 400  # the two new items and the other keys, not the history
+    by_name = {name: stored[c.id][0] for name, c in zip(variants, children, strict=True)}
+    assert by_name == {
+        "edited": None,
+        "reordered": None,
+        "retyped": None,
+        "same": len(items),
+        "extends": len(items),
+    }
+
+    def exact(body: Any) -> str:
+        return json.dumps(body)  # key order and 1 / 1.0 / true all show in the text
+
+    listed = await store.list_calls(attempt.id)
+    assert [exact(c.request) for c in listed] == [exact(r.request_body) for r in records]
+    assert [c.response for c in listed] == [r.response_body for r in records]
+    for rec in records:
+        request, response = await store.call_bodies(attempt.id, rec.request_id)
+        assert (exact(request), response) == (exact(rec.request_body), rec.response_body)
+    await store.complete(attempt.id, schema.CompleteRequest(status="succeeded", reward=1.0))
+    (exported,) = await store.export(after=0, limit=1, bodies=True)
+    assert [exact(c.request) for c in exported.calls] == [exact(r.request_body) for r in records]
+    (bare,) = await store.export(after=0, limit=1, bodies=False)
+    assert {(c.request, c.response) for c in bare.calls} == {(None, None)}
+
+
+async def test_with_bodies_none_calls_keep_their_ids_and_logprobs_and_no_body(url: str) -> None:
+    store = await Store.open(url, bodies="none")
+    try:
+        await store.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=1)
+        attempt = await store.claim("default", 60)
+        first = _turn(attempt, 0, [1, 2, 3], None)
+        first.request_body = _FIRST_BODIES["openai.chat"][0]
+        await store.record_calls([first])
+        second = _turn(attempt, 1, [*first.prompt_ids, *first.response_ids, 4], first)
+        second.request_body = {**first.request_body, "messages": first.request_body["messages"] + [{}]}
+        await store.record_calls([second])
+        listed = await store.list_calls(attempt.id)
+        assert [(c.request, c.response) for c in listed] == [(None, None)] * 2
+        assert [(c.prompt_ids, c.response_ids) for c in listed] == [
+            (r.prompt_ids, r.response_ids) for r in (first, second)
+        ]
+        assert listed[1].response_logprobs == pytest.approx(second.response_logprobs)
+        assert await store.call_bodies(attempt.id, second.request_id) == (None, None)
+        assert await store.call_bodies(attempt.id, "no such call") is None
+        assert (await _stored(url))[second.id] == (4, len(first.prompt_ids) + 20)  # ids still continue
+        assert {text for _, text in (await _stored_bodies(url)).values()} == {"null"}
+    finally:
+        await store.close()
+
+
 # --- migrations ------------------------------------------------------------------------------------------
 
 
@@ -487,6 +636,120 @@ async def test_reopening_a_store_applies_nothing_and_a_newer_store_is_refused(ur
     await engine.dispose()
     with pytest.raises(SchemaTooNew, match=f"schema version {LATEST + 1}, newer than this gateway knows"):
         await Store.open(url)
+
+
+async def _store_at_version_7(url: str) -> tuple[str, list[dict[str, Any]]]:
+    """A store at schema version 7 holding a running attempt with two calls, the second continuing the
+    first with its request body stored whole (as every body was before migration 8): (attempt id, the
+    calls' request bodies)."""
+    bodies = [dict(_FIRST_BODIES["openai.chat"][0])]
+    bodies.append({**bodies[0], "messages": bodies[0]["messages"] + _next_items(0)})
+    now = time.time()
+    engine = create_async_engine(store_url(url))
+
+    def build(conn: Connection) -> None:
+        schema_version.create(conn)
+        for migration in MIGRATIONS[:7]:
+            migration.apply(conn)
+            conn.execute(
+                insert(schema_version).values(version=migration.version, name=migration.name, applied_at=now)
+            )
+        conn.execute(
+            insert(rollouts).values(
+                id="ro-1",
+                group_id="grp-1",
+                pool="default",
+                task="t",
+                labels={},
+                status="running",
+                max_attempts=1,
+                attempts_started=1,
+                created_seq=1,
+                created_at=now,
+            )
+        )
+        conn.execute(
+            insert(attempts).values(
+                id="at-1",
+                rollout_id="ro-1",
+                seq=1,
+                pool="default",
+                token_hash="hash",
+                status="running",
+                lease_seconds=600,
+                claimed_at=now,
+                lease_expires_at=now + 600,
+                info={},
+            )
+        )
+        parent = None
+        for n, body in enumerate(bodies, start=1):
+            parent = conn.scalar(
+                insert(calls)
+                .values(
+                    attempt_id="at-1",
+                    rollout_id="ro-1",
+                    request_id=f"r{n}",
+                    choice_index=0,
+                    protocol="openai.chat",
+                    requested_model="m",
+                    model_version=0,
+                    engine="e",
+                    prompt_ids=pack_ids([1, 2, n]),
+                    response_ids=pack_ids([7, n]),
+                    response_logprobs=pack_logprobs([-0.5, -1.0]),
+                    finish_reason="stop",
+                    parent_call_id=parent,
+                    prefix_reused=False,
+                    request_digest=f"q{n}",
+                    reply_digest=f"a{n}",
+                    started_at=now,
+                    finished_at=now,
+                    request_body=body,
+                    response_body={"n": n},
+                )
+                .returning(calls.c.id)
+            )
+
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(build)
+    finally:
+        await engine.dispose()
+    return "at-1", bodies
+
+
+async def test_a_store_at_version_7_keeps_its_bodies_and_its_new_continuations_are_stored_short(
+    url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    attempt_id, old_bodies = await _store_at_version_7(url)
+    assert await _versions(url) == list(range(1, 8))
+    store = await Store.open(url)
+    try:
+        assert [c.request for c in await store.list_calls(attempt_id)] == old_bodies
+        # The old call has no digest to check against: its child is stored whole, the grandchild short.
+        attempt = schema.ClaimedAttempt(
+            id=attempt_id, rollout_id="ro-1", group_id="grp-1", seq=1, task="t", token="k", lease_expires_at=0
+        )
+        third, fourth = _turn(attempt, 3, [1, 2, 3], None), _turn(attempt, 4, [1, 2, 3], None)
+        third.parent_call_id = (await store.list_calls(attempt_id))[1].id
+        third.request_body = {**old_bodies[1], "messages": old_bodies[1]["messages"] + _next_items(1)}
+        await store.record_calls([third])
+        fourth.parent_call_id = third.id
+        fourth.request_body = {
+            **third.request_body,
+            "messages": third.request_body["messages"] + _next_items(2),
+        }
+        await store.record_calls([fourth])
+        stored = await _stored_bodies(url)
+        assert [stored[i][0] for i in sorted(stored)] == [None, None, None, 6]
+        bodies = [*old_bodies, third.request_body, fourth.request_body]
+        assert [c.request for c in await store.list_calls(attempt_id)] == bodies
+        assert (await store.call_bodies(attempt_id, fourth.request_id)) == (fourth.request_body, {})
+    finally:
+        await store.close()
+    assert await _versions(url) == list(range(1, LATEST + 1))
+    assert await _schema(url) == await _tables_py_schema(await _second_url(url, tmp_path, request))
 
 
 # The tables exactly as the gateway made them before the migration list (commit 98c637c, through

@@ -318,6 +318,19 @@ def test_a_postgresql_store_comes_from_its_secret_as_env_with_replicas_and_no_cl
     assert suspended["Deployment/calc-gateway"]["spec"]["replicas"] == 0
 
 
+def test_the_gateway_keeps_the_bodies_the_spec_asks_for(specs: Specs) -> None:
+    def bodies(**spec: Any) -> str:
+        args = container(children(specs, with_spec(specs, **spec)), "Deployment/calc-gateway")["args"]
+        return str(cli.parser().parse_args(args).bodies)
+
+    assert bodies() == "full"
+    assert bodies(gateway={"store": {"bodies": "none"}}) == "none"
+    assert (
+        bodies(gateway={**POSTGRES_GATEWAY, "store": {**POSTGRES_GATEWAY["store"], "bodies": "none"}})
+        == "none"
+    )
+
+
 def test_user_store_and_work_volumes_replace_the_claims(specs: Specs) -> None:
     gateway = {"pod": {"volumes": [{"name": "store", "persistentVolumeClaim": {"claimName": "my-store"}}]}}
     trainer = {"gpus": 0, "pod": {"volumes": [{"name": "work", "emptyDir": {}}]}}

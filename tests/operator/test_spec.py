@@ -112,6 +112,7 @@ def test_inline_tasks_and_defaults(tmp_path: Path) -> None:
     )
     assert (h.model.model_name, h.model.key_in, h.task.env) == ("policy", "header", "INHARNESS_TASK")
     assert specs.rollout_pool.spec.lease_for(h) == 660
+    assert specs.training_run.spec.gateway.store.bodies == "full"
     assert (specs.training_run.spec.scheduling.mode, specs.training_run.spec.scheduling.max_staleness) == (
         "sync",
         0,
@@ -279,6 +280,13 @@ CASES = [
         {"store": {"urlSecret": {"name": "db"}}},
         f"{R}: spec.gateway.store.urlSecret.key: Field required",
         id="store secret without key",
+    ),
+    pytest.param(
+        2,
+        "spec.gateway",
+        {"store": {"bodies": "some"}},
+        f"{R}: spec.gateway.store.bodies: Input should be 'full' or 'none'",
+        id="store bodies neither full nor none",
     ),
     pytest.param(
         2,

@@ -65,7 +65,9 @@ async def _open_calls(settings: GatewaySettings, session: aiohttp.ClientSession)
     """The call path with its store, engine pool, serving gate and metrics; the engines of the
     initial version registered (active unless another version already is) and checked once."""
     tokenizer, model_len, stops = _load_tokenizer(settings.model)
-    store = await Store.open(settings.store, sqlite_synchronous=settings.sqlite_synchronous)
+    store = await Store.open(
+        settings.store, sqlite_synchronous=settings.sqlite_synchronous, bodies=settings.bodies
+    )
     pool = EnginePool(session, retries=settings.engine_retries, api_key=settings.engine_api_key())
     if settings.engines:
         has_active = any(v.active for v in await store.list_versions())
@@ -294,7 +296,7 @@ def _serve_one(settings: GatewaySettings, *, sock: socket.socket | None, ready: 
         log_level="warning",
         access_log=False,
         loop="uvloop",
-        http="httptools",
+        http=_head_deadline_protocol(settings.request_head_timeout_seconds),
     )
     server = uvicorn.Server(config)
 
@@ -309,6 +311,67 @@ def _serve_one(settings: GatewaySettings, *, sock: socket.socket | None, ready: 
         await task
 
     uvloop.run(run())
+
+
+def _head_deadline_protocol(seconds: float) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a deadline on each request's head (its line and headers).
+
+    uvicorn bounds only the idle time between requests (its keep-alive timeout, which any byte
+    cancels), and httptools buffers a head of any length for as long as it takes: a client that
+    dribbles header bytes, or connects and sends nothing, held its connection and what it sent for
+    ever. The deadline runs from the connection's start, from the first byte after a response, or from
+    a pipelined request's first byte, to the head's end; a late head is answered 408 and its connection
+    closed. The body has its own deadline (`--request-read-timeout-seconds`, `errors.BoundedRequest`)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    late = f"the request's line and headers did not arrive within {seconds:g} s".encode()
+    answer = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(late), late)
+    )
+
+    class HeadDeadline(HttpToolsProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self._await_head()
+
+        def data_received(self, data: bytes) -> None:
+            if self.cycle is None or self.cycle.response_complete:  # no request in flight: a head is due
+                self._await_head()
+            super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._await_head()  # also a pipelined request's, behind one in flight
+
+        def on_headers_complete(self) -> None:
+            self._head_arrived()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._head_arrived()
+            super().connection_lost(exc)
+
+        def _await_head(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(seconds, self._head_late)
+
+        def _head_arrived(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or self.cycle.response_complete:  # never into a response under way
+                self.transport.write(answer)
+            self.transport.close()
+
+    return HeadDeadline
 
 
 def _reuseport_socket(host: str, port: int) -> socket.socket:

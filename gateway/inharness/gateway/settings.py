@@ -28,6 +28,12 @@ class GatewaySettings(BaseModel):
         default="normal",
         description="normal: every answered call survives a killed gateway; full: also a power loss (fsync)",
     )
+    bodies: Literal["full", "none"] = Field(
+        default="full",
+        description="full: every call keeps its request and response bodies (the export's request and "
+        "response, Responses' previous_response_id); none: only what training reads (token ids, "
+        "log-probs, the call tree), for a run that needs no replay",
+    )
     workers: int = Field(
         default=1,
         ge=1,
@@ -66,6 +72,12 @@ class GatewaySettings(BaseModel):
     )
     request_read_timeout_seconds: float = Field(
         default=60.0, gt=0, description="a request body not received in full within this is answered 408"
+    )
+    request_head_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="a request's line and headers not received in full within this are answered 408 "
+        "and the connection closed: a client that dribbles them holds no connection for longer",
     )
 
     @field_validator("store")

@@ -848,6 +848,12 @@ class GatewayStore(SpecModel):
         "Null: SQLite on the run's gateway-store claim, one replica. Cluster only: local runs keep SQLite "
         "in the run directory.",
     )
+    bodies: Literal["full", "none"] = Field(
+        default="full",
+        description="Whether recorded calls keep their request and response bodies (the harness's JSON, "
+        "for replay and the export). none: only what training reads (token ids, log-probs, the call "
+        "tree); the export's bodies are null and a Responses call naming previous_response_id is refused.",
+    )
 
 
 class GatewaySpec(SpecModel):

@@ -123,14 +123,23 @@ async def _history(store: Store, auth: AttemptAuth, previous: str | None) -> lis
     chain: list[list[Any]] = []
     while previous is not None:
         found = await store.call_bodies(auth.id, previous)
-        if found is None or found[1].get("object") != "response":
+        request_body, response_body = found or (None, None)
+        if found is not None and (request_body is None or response_body is None):
+            raise APIError(
+                400,
+                f"previous_response_id: response '{previous}' was recorded by a gateway that keeps no "
+                "bodies (--bodies none), so its conversation cannot be rebuilt: send the whole "
+                "conversation as input instead",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        if request_body is None or response_body is None or response_body.get("object") != "response":
             raise APIError(
                 400,
                 f"previous_response_id: no response '{previous}' was made for this attempt",
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
-        request_body, response_body = found
         if request_body.get("store") is False:
             raise APIError(
                 400,

@@ -14,7 +14,7 @@ Stores made before this list existed (no `schema_version`) hold some prefix of m
 four check what exists before they create or add it, so such a store starts at version 0 like a new one.
 Migrations from 5 on may assume the version they follow.
 
-Why not Alembic: the whole history is seven small functions; a runner of twenty lines with one lock
+Why not Alembic: the whole history is eight small functions; a runner of twenty lines with one lock
 is easier to read, test and trust than an extra dependency with its own environment and config.
 """
 
@@ -219,6 +219,13 @@ def _shared_serving(conn: Connection) -> None:
     conn.execute(insert(serving).values(id=1, paused=False, resumes_at=None, generation=0))
 
 
+def _body_columns(conn: Connection) -> None:
+    """A continuation's request body stored as the items its conversation list adds (tables.calls)."""
+    _add_call_column("body_prefix", Integer)(conn)
+    _add_call_column("body_items", Integer)(conn)
+    _add_call_column("body_digest", lambda: String(32))(conn)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "rollouts, attempts, calls, model_versions", _first_tables),
     Migration(2, "posted_rewards", _posted_rewards),
@@ -232,6 +239,11 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         7, "serving, gateway_workers, progress: state shared by every gateway process", _shared_serving
+    ),
+    Migration(
+        8,
+        "calls.body_prefix, body_items, body_digest: a continuation stores the request body's new items only",
+        _body_columns,
     ),
 )
 LATEST = MIGRATIONS[-1].version

@@ -15,6 +15,16 @@ keeps them correct is in the transactions, not in any one process:
 - `finish_seq` and `created_seq` come from `counters` rows, locked until commit: numbers are unique
   and become visible in order, so an export cursor never skips a rollout that finished concurrently.
 On SQLite, one process writes at a time (`_write_lock`) and `FOR UPDATE` renders as nothing.
+
+A continuation is stored as what it adds to its parent call, for its token ids (`prompt_prefix`) and
+for its request body alike, since a harness resends the whole conversation every turn: the body's
+conversation list (`messages`, else `input`: whichever is a list first) keeps only the items after
+the parent's whole list (`body_prefix` of them). Keys, not protocols: Chat Completions and Anthropic
+Messages carry `messages`, Responses `input`, and a body whose list does not extend its parent's
+(an edited history, a Responses call that sends only its new items with `previous_response_id`) is
+stored whole, so a wrong guess costs bytes, never the round trip. Whether a list extends its parent's
+is decided by digest (`body_digest`: every item's JSON text, in order), never by Python equality,
+which would take `1` for `true` or `1.0` and ignore key order; every reader rebuilds the exact body.
 """
 
 import asyncio
@@ -26,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+import orjson
 from sqlalchemy import (
     URL,
     Connection,
@@ -61,6 +72,11 @@ from inharness.gateway.store.tables import (
 )
 
 SqliteSync = Literal["off", "normal", "full"]
+# full: every call's request and response body as the harness sent and got it; none: JSON null, for a
+# run that needs only what training reads (token ids, log-probs, the call tree).
+Bodies = Literal["full", "none"]
+# The keys of a request body that may hold its conversation list, the first that is a list wins.
+_BODY_LISTS = ("messages", "input")
 _INSERT_CALLS = insert(calls).returning(calls.c.id, sort_by_parameter_order=True)
 # The writer's two reads in every record's transaction, built once: building a statement costs more
 # Python than running it (`bench/RESULTS.md`, "What issue 17's checks cost").
@@ -74,9 +90,14 @@ _LIVE_ATTEMPTS = (
     .order_by(attempts.c.id)
     .with_for_update(read=True)
 )
-_PARENTS = select(calls.c.id, calls.c.prompt_prefix, calls.c.prompt_ids, calls.c.response_ids).where(
-    calls.c.id.in_(bindparam("ids", expanding=True))
-)
+_PARENTS = select(
+    calls.c.id,
+    calls.c.prompt_prefix,
+    calls.c.prompt_ids,
+    calls.c.response_ids,
+    calls.c.body_items,
+    calls.c.body_digest,
+).where(calls.c.id.in_(bindparam("ids", expanding=True)))
 # Ids bound per IN (...): well under SQLite's limit on a statement's parameters.
 _IDS_PER_STATEMENT = 500
 # A completion's failure_reason when its info gives none.
@@ -193,8 +214,10 @@ class Store:
         serialize_writes: bool,
         call_engine: Engine | None = None,
         call_thread: bool = False,
+        bodies: Bodies = "full",
     ) -> None:
         self._engine = engine
+        self._bodies = bodies
         # SQLite: calls are written with the plain sqlite3 driver, a whole transaction at once,
         # instead of several aiosqlite thread hops per transaction. Without fsync (WAL, synchronous
         # NORMAL) a commit takes ~0.15 ms and runs on the event loop; with fsync it gets a thread.
@@ -206,11 +229,14 @@ class Store:
         self._writer: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, url: str, *, sqlite_synchronous: SqliteSync = "normal") -> "Store":
+    async def open(
+        cls, url: str, *, sqlite_synchronous: SqliteSync = "normal", bodies: Bodies = "full"
+    ) -> "Store":
         """Open the store at `url` (`sqlite:///PATH`, or `postgresql://USER:PASSWORD@HOST:PORT/DB`),
         creating it or migrating it to this gateway's schema first (migrations.py). On SQLite,
         `sqlite_synchronous=normal` survives a killed process (WAL); `full` also survives power loss at
-        the cost of an fsync per commit."""
+        the cost of an fsync per commit. `bodies`: whether calls keep their request and response bodies
+        (`Bodies`)."""
         parsed = store_url(url)
         if parsed.get_backend_name() == "sqlite":
 
@@ -232,6 +258,7 @@ class Store:
                 serialize_writes=True,
                 call_engine=call_engine,
                 call_thread=sqlite_synchronous == "full",
+                bodies=bodies,
             )
         else:
             # pre_ping: a connection the database closed (a restart, a failover) is replaced, not used.
@@ -242,7 +269,7 @@ class Store:
             except BaseException:
                 await engine.dispose()
                 raise
-            store = cls(engine, serialize_writes=False)
+            store = cls(engine, serialize_writes=False, bodies=bodies)
         store._writer = asyncio.create_task(store._write_calls_forever(), name="store-call-writer")
         return store
 
@@ -619,7 +646,7 @@ class Store:
         database dropped is replaced, not kept)."""
         if self._call_engine is None:
             async with self._engine.begin() as conn:
-                return await conn.run_sync(_insert_calls, records)
+                return await conn.run_sync(_insert_calls, records, self._bodies)
         assert self._write_lock is not None
         async with self._write_lock:
             if self._call_thread is None:
@@ -630,7 +657,7 @@ class Store:
     def _insert_calls_sync(self, records: list[CallRecord]) -> list[int | None]:
         assert self._call_engine is not None
         with self._call_engine.begin() as conn:
-            return _insert_calls(conn, records)
+            return _insert_calls(conn, records, self._bodies)
 
     async def call_digests(self, attempt_id: str) -> tuple[dict[str, int], dict[str, int], set[str]]:
         """(reply digest -> call id, request digest -> call id, turns digests of the replies) of the
@@ -688,19 +715,23 @@ class Store:
 
     async def call_bodies(
         self, attempt_id: str, request_id: str
-    ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    ) -> tuple[dict[str, Any] | None, dict[str, Any] | None] | None:
         """(request body, response body) of the attempt's call answered as `request_id` (its first
-        choice), or None when the attempt has no such call."""
+        choice), each None when the call was recorded without bodies (`Bodies`); None when the attempt
+        has no such call."""
         async with self._engine.connect() as conn:
             row = (
                 await conn.execute(
-                    select(calls.c.request_body, calls.c.response_body)
+                    select(calls.c.id, calls.c.response_body)
                     .where(calls.c.attempt_id == attempt_id, calls.c.request_id == request_id)
                     .order_by(calls.c.choice_index)
                     .limit(1)
                 )
             ).first()
-        return None if row is None else (row.request_body, row.response_body)
+            if row is None:
+                return None
+            chain = await _body_chain(conn, row.id)
+        return _whole_bodies(chain)[row.id], row.response_body
 
     async def list_calls(self, attempt_id: str, *, bodies: bool = True) -> list[schema.CallOut]:
         async with self._engine.connect() as conn:
@@ -710,7 +741,8 @@ class Store:
                 await conn.execute(select(calls).where(calls.c.attempt_id == attempt_id).order_by(calls.c.id))
             ).all()
             prompts = await _prompts_of(conn, rows)
-        return [_call_out(r, prompts[r.id], bodies=bodies) for r in rows]
+            requests = await _bodies_of(conn, rows) if bodies else {}
+        return [_call_out(r, prompts[r.id], requests) for r in rows]
 
     async def export(
         self, *, after: int, limit: int, bodies: bool, status: str | None = None
@@ -740,11 +772,12 @@ class Store:
                     else []
                 )
                 prompts = await _prompts_of(conn, call_rows)
+                requests = await _bodies_of(conn, call_rows) if bodies else {}
                 out.append(
                     schema.ExportedRollout(
                         cursor=row.finish_seq,
                         rollout=ro,
-                        calls=[_call_out(c, prompts[c.id], bodies=bodies) for c in call_rows],
+                        calls=[_call_out(c, prompts[c.id], requests) for c in call_rows],
                     )
                 )
         return out
@@ -1044,41 +1077,77 @@ def _migrate_sqlite(url: URL, pragmas: Callable[[Any, Any], None]) -> None:
         engine.dispose()
 
 
-def _insert_calls(conn: Connection, records: Sequence[CallRecord]) -> list[int | None]:
-    """Insert the calls in the caller's transaction, each continuation as its new prompt ids only, and
-    only those of attempts still running with a live lease (None for the others). The attempts' rows
-    stay share-locked until the commit, so a completion (which locks its row for update) comes wholly
-    before the check or wholly after the record; on SQLite every write of the process is serialised."""
+def _insert_calls(conn: Connection, records: Sequence[CallRecord], bodies: Bodies) -> list[int | None]:
+    """Insert the calls in the caller's transaction, each continuation as what it adds to its parent
+    (`_prefix`, `_body`), and only those of attempts still running with a live lease (None for the
+    others). The attempts' rows stay share-locked until the commit, so a completion (which locks its row
+    for update) comes wholly before the check or wholly after the record; on SQLite every write of the
+    process is serialised."""
     attempt_ids = sorted({r.attempt_id for r in records})
     live = set(conn.execute(_LIVE_ATTEMPTS, {"ids": attempt_ids, "now": time.time()}).scalars())
     kept = [r for r in records if r.attempt_id in live]
     if not kept:
         return [None] * len(records)
-    rows = [_call_row(rec, prefix) for rec, prefix in zip(kept, _prefixes(conn, kept), strict=True)]
+    wanted = {
+        r.parent_call_id
+        for r in kept
+        if r.parent_call_id is not None and (r.prefix_reused or bodies == "full")
+    }
+    parents = {p.id: p for p in conn.execute(_PARENTS, {"ids": list(wanted)})} if wanted else {}
+    rows = [_call_row(rec, parents.get(rec.parent_call_id), bodies) for rec in kept]
     new_ids = iter(conn.execute(_INSERT_CALLS, rows).scalars())
     return [next(new_ids) if r.attempt_id in live else None for r in records]
 
 
-def _prefixes(conn: Connection, records: Sequence[CallRecord]) -> list[int | None]:
-    """How many leading prompt ids of each record are its parent's prompt and response, and so are not
+def _prefix(rec: CallRecord, parent: Any) -> int | None:
+    """How many leading prompt ids of the record are its parent's prompt and response, and so are not
     stored again; None: the prompt is stored whole (a root, a prompt not built on its parent). Trusts
     `prefix_reused` only as far as it can check: the ids before the prefix's end must be the parent's
     stored ids and response (its whole prompt, for a root), else the prompt is stored whole."""
-    wanted = {r.parent_call_id for r in records if r.prefix_reused and r.parent_call_id is not None}
-    if not wanted:
-        return [None] * len(records)
-    parents = {p.id: p for p in conn.execute(_PARENTS, {"ids": list(wanted)})}
-    out: list[int | None] = []
-    for rec in records:
-        parent = parents.get(rec.parent_call_id) if rec.prefix_reused else None
-        if parent is None:
-            out.append(None)
-            continue
-        tail = unpack_ids(parent.prompt_ids) + unpack_ids(parent.response_ids)
-        end = (parent.prompt_prefix or 0) + len(tail)
-        fits = len(rec.prompt_ids) >= end and list(rec.prompt_ids[end - len(tail) : end]) == tail
-        out.append(end if fits else None)
-    return out
+    if parent is None or not rec.prefix_reused:
+        return None
+    tail = unpack_ids(parent.prompt_ids) + unpack_ids(parent.response_ids)
+    end = (parent.prompt_prefix or 0) + len(tail)
+    fits = len(rec.prompt_ids) >= end and list(rec.prompt_ids[end - len(tail) : end]) == tail
+    return end if fits else None
+
+
+def _body(rec: CallRecord, parent: Any, bodies: Bodies) -> dict[str, Any]:
+    """The record's body columns: its request body, without the leading items of its conversation list
+    that are its parent's whole list when they are (`body_prefix` counts them), and the length and
+    digest of its own whole list, for its children to check theirs against."""
+    body = rec.request_body
+    found = _body_list(body) if bodies == "full" else None
+    if found is None:
+        stored = body if bodies == "full" else None
+        return {"request_body": stored, "body_prefix": None, "body_items": None, "body_digest": None}
+    key, items = found
+    shared = parent.body_items if parent is not None and parent.body_digest is not None else None
+    digest = hashlib.sha256(key.encode())
+    head = None  # the digest of the first `shared` items
+    for n, item in enumerate(items):
+        if n == shared:
+            head = digest.hexdigest()[:32]
+        digest.update(b"\n")  # orjson's text has no raw newline: two items cannot read as one
+        digest.update(orjson.dumps(item))
+    whole = digest.hexdigest()[:32]
+    head = whole if shared == len(items) else head
+    prefix = shared if shared and head == parent.body_digest else None
+    return {
+        "request_body": body if prefix is None else {**body, key: items[prefix:]},
+        "body_prefix": prefix,
+        "body_items": len(items),
+        "body_digest": whole,
+    }
+
+
+def _body_list(body: dict[str, Any] | None) -> tuple[str, list[Any]] | None:
+    """(key, list) of the body's conversation list: the first of `_BODY_LISTS` that is a list."""
+    for key in _BODY_LISTS:
+        items = None if body is None else body.get(key)
+        if isinstance(items, list):
+            return key, items
+    return None
 
 
 _CHAIN_COLUMNS = (
@@ -1101,6 +1170,50 @@ async def _chain(conn: AsyncConnection, call_id: int) -> dict[int, Any]:
     )
     chain = chain.union_all(parents)
     return {r.id: r for r in (await conn.execute(select(chain))).all()}
+
+
+_BODY_COLUMNS = (calls.c.id, calls.c.parent_call_id, calls.c.body_prefix, calls.c.request_body)
+
+
+async def _body_chain(conn: AsyncConnection, call_id: int) -> dict[int, Any]:
+    """The call and the ancestors its stored request body needs, by id, in one recursive query."""
+    chain = select(*_BODY_COLUMNS).where(calls.c.id == call_id).cte("body_chain", recursive=True)
+    parents = (
+        select(*_BODY_COLUMNS)
+        .join(chain, calls.c.id == chain.c.parent_call_id)
+        .where(chain.c.body_prefix.is_not(None))
+    )
+    chain = chain.union_all(parents)
+    return {r.id: r for r in (await conn.execute(select(chain))).all()}
+
+
+async def _bodies_of(conn: AsyncConnection, rows: Sequence[Any]) -> dict[int, dict[str, Any] | None]:
+    """Whole request bodies of call rows; ancestors outside `rows` (none, for an attempt's calls) are
+    read."""
+    known = {r.id: r for r in rows}
+    for r in rows:
+        if r.body_prefix is not None and r.parent_call_id not in known:
+            known.update(await _body_chain(conn, r.parent_call_id))
+    return _whole_bodies(known)
+
+
+def _whole_bodies(known: dict[int, Any]) -> dict[int, dict[str, Any] | None]:
+    """The whole request body of every call in `known` (rows with id, parent_call_id, body_prefix,
+    request_body; every ancestor a continuation needs among them), parents first. The lists share
+    their items with their parents' (the readers only serialise them)."""
+    whole: dict[int, dict[str, Any] | None] = {}
+    for call_id in sorted(known):  # a parent's id is below its children's
+        row = known[call_id]
+        body = row.request_body
+        if row.body_prefix is not None:
+            key, tail = _body_list(body) or ("", [])
+            _, items = _body_list(whole[row.parent_call_id]) or ("", [])
+            if len(items) != row.body_prefix:
+                have = f"its parent has {len(items)}"
+                raise StoreError(f"call {row.id} extends {row.body_prefix} items of {key}; {have}")
+            body = {**body, key: items + tail}
+        whole[call_id] = body
+    return whole
 
 
 async def _prompts_of(conn: AsyncConnection, rows: Sequence[Any]) -> dict[int, list[int]]:
@@ -1153,7 +1266,8 @@ def _checked(row: Any, base: list[int]) -> list[int]:
     return base
 
 
-def _call_row(rec: CallRecord, prefix: int | None) -> dict[str, Any]:
+def _call_row(rec: CallRecord, parent: Any, bodies: Bodies) -> dict[str, Any]:
+    prefix = _prefix(rec, parent)
     return {
         "attempt_id": rec.attempt_id,
         "rollout_id": rec.rollout_id,
@@ -1176,14 +1290,16 @@ def _call_row(rec: CallRecord, prefix: int | None) -> dict[str, Any]:
         "started_at": rec.started_at,
         "first_token_at": rec.first_token_at,
         "finished_at": rec.finished_at,
-        "request_body": rec.request_body,
-        "response_body": rec.response_body,
+        "response_body": rec.response_body if bodies == "full" else None,
         "notes": list(rec.notes) or None,
         "turns_digest": rec.turns_digest,
+        **_body(rec, parent, bodies),
     }
 
 
-def _call_out(row: Any, prompt_ids: list[int], *, bodies: bool) -> schema.CallOut:
+def _call_out(row: Any, prompt_ids: list[int], requests: dict[int, dict[str, Any] | None]) -> schema.CallOut:
+    """The call as the API gives it; its bodies when `requests` holds its whole request body."""
+    bodies = row.id in requests
     return schema.CallOut(
         id=row.id,
         attempt_id=row.attempt_id,
@@ -1204,7 +1320,7 @@ def _call_out(row: Any, prompt_ids: list[int], *, bodies: bool) -> schema.CallOu
         started_at=row.started_at,
         first_token_at=row.first_token_at,
         finished_at=row.finished_at,
-        request=row.request_body if bodies else None,
+        request=requests.get(row.id),
         response=row.response_body if bodies else None,
         notes=row.notes or [],
     )

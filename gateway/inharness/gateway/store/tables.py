@@ -109,6 +109,14 @@ calls = Table(
     # are its parent's prompt and response, and `prompt_ids` holds the rest, so an attempt's storage
     # grows with its conversation, not its square. Null: `prompt_ids` is the whole prompt.
     Column("prompt_prefix", Integer),
+    # Likewise the request body: a continuation's conversation list (`messages`, else `input`) holds only
+    # the items after its parent's whole list, which are its first `body_prefix` items. Null: the body
+    # is stored whole. `body_items` and `body_digest` are the length and digest of this call's whole
+    # list, so that a child checks that its list extends this one without reading it (store.py).
+    # `request_body` and `response_body` hold JSON null when the gateway keeps no bodies.
+    Column("body_prefix", Integer),
+    Column("body_items", Integer),
+    Column("body_digest", String(32)),
     Index("ix_calls_attempt", "attempt_id", "id"),
     Index("ix_calls_reply", "attempt_id", "reply_digest"),
     Index("ix_calls_request", "attempt_id", "request_digest"),

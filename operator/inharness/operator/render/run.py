@@ -381,7 +381,7 @@ def _gateway_service(run: str, meta: Obj) -> Obj:
 
 def _gateway_args(run: TrainingRun, harness: HarnessSpec, pool: RolloutPool) -> list[str]:
     """`inharness gateway` flags: the model, the engine of trainer replica 0, the SQLite store on the
-    claim (a PostgreSQL store comes as an env var instead: `_gateway_deployment`)."""
+    claim (a PostgreSQL store comes as an env var instead: `_gateway_deployment`), the bodies it keeps."""
     sqlite = run.spec.gateway.store.url_secret is None
     return [
         "gateway",
@@ -390,6 +390,8 @@ def _gateway_args(run: TrainingRun, harness: HarnessSpec, pool: RolloutPool) -> 
         "--engine",
         engine_url(run.metadata.name),
         *(["--store", f"sqlite:///{STORE_DIR}/gateway.db"] if sqlite else []),
+        "--bodies",
+        run.spec.gateway.store.bodies,
         "--host",
         "0.0.0.0",
         "--port",
