@@ -23,6 +23,7 @@ from testsupport import Server, eventually, gateway_server
 HEAD_TIMEOUT = 1.0
 READ_TIMEOUT = 3.0
 HEALTH = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+IDLE_SOCKETS: dict[int, int] = {}  # the gateway's open sockets with no client connected, by port
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def gateway(
         f"--request-read-timeout-seconds={READ_TIMEOUT}",
     ]
     server = gateway_server(tool_model, [engine.url], db, log_dir, admin_token=ADMIN, extra=extra).start()
+    IDLE_SOCKETS[server.port] = open_sockets(server)  # listening, engine and store: no client yet
     yield server
     server.stop()
 
@@ -98,6 +100,33 @@ def test_a_dribbled_head_is_answered_408_and_closed_at_the_deadline(gateway: Ser
     assert HEAD_TIMEOUT * 0.9 <= closed_after < HEAD_TIMEOUT * 3
 
 
+def test_a_head_over_the_size_bound_is_answered_431_and_closed_at_once(gateway: Server) -> None:
+    """Within the deadline a head could grow without bound (httptools keeps all of it)."""
+    got = b""
+    with connect(gateway) as sock:
+        start = time.monotonic()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # closed while the rest is sent
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Big: " + b"a" * 200_000)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                got += chunk
+    assert got.startswith(b"HTTP/1.1 431 "), got[:200]
+    assert b"over 65536 bytes" in got and time.monotonic() - start < HEAD_TIMEOUT
+
+
+def test_a_head_within_the_size_bound_and_a_large_body_after_it_are_served(gateway: Server) -> None:
+    """The bound counts the head only: a head near it is served, and so is a body far above it that
+    arrives in the same packets as its head."""
+    with connect(gateway) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 60_000 + b"\r\n\r\n")
+        assert read_response(sock)[0] == 200
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 300_000}]})
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        sock.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        status, _ = read_response(sock)
+        assert status == 401  # no key: answered by the route, not refused as a large head
+
+
 def test_a_connection_that_sends_nothing_is_closed_at_the_deadline(gateway: Server) -> None:
     sock = connect(gateway)
     start = time.monotonic()
@@ -139,6 +168,9 @@ def test_a_keep_alive_client_whose_heads_arrive_in_pieces_within_the_deadline_is
 def test_many_stalled_heads_do_not_stop_normal_calls_and_are_freed_at_the_deadline(
     gateway: Server,
 ) -> None:
+    # the connections of earlier tests, closed by their clients, may still be closing on the gateway's side
+    idle = IDLE_SOCKETS[gateway.port]
+    asyncio.run(eventually(lambda: open_sockets(gateway) <= idle, "earlier tests' sockets closed"))
     before = open_sockets(gateway)
     stalled = [connect(gateway) for _ in range(200)]
     for sock in stalled:

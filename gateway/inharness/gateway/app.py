@@ -296,7 +296,7 @@ def _serve_one(settings: GatewaySettings, *, sock: socket.socket | None, ready: 
         log_level="warning",
         access_log=False,
         loop="uvloop",
-        http=_head_deadline_protocol(settings.request_head_timeout_seconds),
+        http=_head_deadline_protocol(settings.request_head_timeout_seconds, settings.request_head_max_bytes),
     )
     server = uvicorn.Server(config)
 
@@ -313,25 +313,38 @@ def _serve_one(settings: GatewaySettings, *, sock: socket.socket | None, ready: 
     uvloop.run(run())
 
 
-def _head_deadline_protocol(seconds: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a deadline on each request's head (its line and headers).
+def _head_deadline_protocol(seconds: float, max_bytes: int) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a deadline and a size bound on each request's head (its line
+    and headers).
 
     uvicorn bounds only the idle time between requests (its keep-alive timeout, which any byte
     cancels), and httptools buffers a head of any length for as long as it takes: a client that
     dribbles header bytes, or connects and sends nothing, held its connection and what it sent for
     ever. The deadline runs from the connection's start, from the first byte after a response, or from
     a pipelined request's first byte, to the head's end; a late head is answered 408 and its connection
-    closed. The body has its own deadline (`--request-read-timeout-seconds`, `errors.BoundedRequest`)."""
+    closed. Within the deadline a head still grew without bound (httptools keeps it all): one above
+    `max_bytes` is answered 431 and its connection closed. The body has its own deadline
+    (`--request-read-timeout-seconds`, `errors.BoundedRequest`) and size bound (413)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    late = f"the request's line and headers did not arrive within {seconds:g} s".encode()
-    answer = (
-        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(late), late)
+    def refusal(status: bytes, why: str) -> bytes:
+        text = why.encode()
+        return (
+            b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, len(text), text)
+        )
+
+    answer = refusal(
+        b"408 Request Timeout", f"the request's line and headers did not arrive within {seconds:g} s"
+    )
+    too_large = refusal(
+        b"431 Request Header Fields Too Large",
+        f"the request's line and headers are over {max_bytes} bytes",
     )
 
     class HeadDeadline(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0  # received since the head now due began
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -340,7 +353,12 @@ def _head_deadline_protocol(seconds: float) -> type[asyncio.Protocol]:
         def data_received(self, data: bytes) -> None:
             if self.cycle is None or self.cycle.response_complete:  # no request in flight: a head is due
                 self._await_head()
+            if self._head_timer is not None:
+                self._head_bytes += len(data)
             super().data_received(data)
+            # still due after this data (a head that ended in it reset the count): bound what it holds
+            if self._head_timer is not None and self._head_bytes > max_bytes:
+                self._refuse(too_large)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -357,6 +375,7 @@ def _head_deadline_protocol(seconds: float) -> type[asyncio.Protocol]:
         def _await_head(self) -> None:
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(seconds, self._head_late)
+                self._head_bytes = 0
 
         def _head_arrived(self) -> None:
             if self._head_timer is not None:
@@ -365,10 +384,14 @@ def _head_deadline_protocol(seconds: float) -> type[asyncio.Protocol]:
 
         def _head_late(self) -> None:
             self._head_timer = None
+            self._refuse(answer)
+
+        def _refuse(self, response: bytes) -> None:
+            self._head_arrived()
             if self.transport.is_closing():
                 return
             if self.cycle is None or self.cycle.response_complete:  # never into a response under way
-                self.transport.write(answer)
+                self.transport.write(response)
             self.transport.close()
 
     return HeadDeadline

@@ -79,6 +79,11 @@ class GatewaySettings(BaseModel):
         description="a request's line and headers not received in full within this are answered 408 "
         "and the connection closed: a client that dribbles them holds no connection for longer",
     )
+    request_head_max_bytes: int = Field(
+        default=65536,
+        ge=1024,
+        description="a request's line and headers above this are answered 431 and the connection closed",
+    )
 
     @field_validator("store")
     @classmethod
