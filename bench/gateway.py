@@ -8,6 +8,10 @@ go through each of the gateway's three protocols (OpenAI Chat Completions, OpenA
 Anthropic Messages), posted as the official SDKs put them on the wire. Each client worker runs
 multi-turn conversations on its own attempt key, one key per worker and protocol, as harnesses do.
 
+The `floor` path is the least a Python proxy on the gateway's own stack does (bench/floor_proxy.py:
+uvicorn, FastAPI, orjson, one aiohttp hop to the engine's Chat Completions endpoint, nothing else),
+so that the gateway's cost splits into what the stack costs anyway and what its own work adds.
+
 For scale, the LiteLLM proxy (pinned, in its own environment .cache/litellm, which `make
 bench-gateway` installs) runs the Chat Completions conversations in front of the same engine's
 Chat Completions endpoint; its added cost is over that endpoint called directly (`direct-chat`),
@@ -181,9 +185,19 @@ class EngineChatPath(ChatPath):
 
 
 PATHS: dict[str, Any] = {"chat": ChatPath, "responses": ResponsesPath, "messages": MessagesPath}
-OTHER_PATHS: dict[str, Any] = {"direct-chat": EngineChatPath, "litellm": EngineChatPath}
+OTHER_PATHS: dict[str, Any] = {
+    "direct-chat": EngineChatPath,
+    "floor": EngineChatPath,
+    "litellm": EngineChatPath,
+}
 # Each proxied path's added cost is over the engine endpoint it calls, called directly.
-BASELINE = {"chat": "direct", "responses": "direct", "messages": "direct", "litellm": "direct-chat"}
+BASELINE = {
+    "chat": "direct",
+    "responses": "direct",
+    "messages": "direct",
+    "floor": "direct-chat",
+    "litellm": "direct-chat",
+}
 
 
 def group_cpu_seconds(leader: int) -> float:
@@ -201,6 +215,11 @@ def group_cpu_seconds(leader: int) -> float:
         if int(fields[3]) == leader:  # field 6 of stat: the session id
             total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def floor_argv(port: int, engine_url: str) -> list[str]:
+    script = str(Path(__file__).with_name("floor_proxy.py"))
+    return [sys.executable, script, "--port", str(port), "--engine", engine_url]
 
 
 def litellm_server(cli: Path, engine_url: str, work: Path) -> ServerProcess:
@@ -276,7 +295,7 @@ async def measure(mode: str, concurrency: int, total: int, ctx: dict[str, Any]) 
                 direct_worker(session, ctx["engine"], ctx["prompt"], per, lat) for _ in range(concurrency)
             ]
         elif mode in OTHER_PATHS:
-            url, key = ctx["engine"] if mode == "direct-chat" else ctx["litellm"], LITELLM_KEY
+            url, key = ctx["engine"] if mode == "direct-chat" else ctx[mode], LITELLM_KEY
             jobs = [
                 gateway_worker(session, url, OTHER_PATHS[mode], key, per, w, lat) for w in range(concurrency)
             ]
@@ -532,9 +551,18 @@ def main() -> int:
             engine.stop()
         return 0
     litellm = litellm_server(args.litellm, engine.url, work)
+    fport = free_port()
+    floor = ServerProcess(
+        floor_argv(fport, engine.url),
+        port=fport,
+        log=work / "floor.log",
+        health="/health",
+        name="floor-proxy",
+    )
     engine.start()
     gateway.start()
     litellm.start()
+    floor.start()
     try:
         with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {ADMIN}"}) as c:
             c.post("/api/v1/rollouts", json={"tasks": list(range(64 * len(PATHS)))}).raise_for_status()
@@ -551,12 +579,15 @@ def main() -> int:
             "prompt": prompt,
             "tokens": tokens,
             "litellm": litellm.url,
+            "floor": floor.url,
         }
 
         modes = ("direct", *PATHS, *OTHER_PATHS)
         assert engine.proc is not None and gateway.proc is not None and litellm.proc is not None
+        assert floor.proc is not None
         proxy_pid = {"chat": gateway.proc.pid, "responses": gateway.proc.pid, "messages": gateway.proc.pid}
         proxy_pid["litellm"] = litellm.proc.pid
+        proxy_pid["floor"] = floor.proc.pid
         lat: dict[tuple[str, int], list[float]] = {}
         wall: dict[tuple[str, int], float] = {}
         cpu: dict[tuple[str, int, str], float] = {}  # (mode, concurrency, "proxy" | "engine"): seconds
@@ -610,6 +641,7 @@ def main() -> int:
         for name, sec in steps:
             print(f"  {name:<58} {sec * 1e6:>8.0f} us")
     finally:
+        floor.stop()
         litellm.stop()
         gateway.stop()
         engine.stop()
