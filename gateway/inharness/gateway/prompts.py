@@ -24,12 +24,16 @@ An attempt's first call is a root without a reason; so is a conversation asked a
 """
 
 import asyncio
+import hashlib
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
+
+import orjson
 
 from inharness.gateway.conversation import TURNS_ROOT, Conversation
 from inharness.gateway.errors import APIError
@@ -78,6 +82,7 @@ class PromptBuilder:
         eos = tokenizer.eos_token
         self._eos_text: str = eos if isinstance(eos, str) else ""
         self._fast = fast_encoder(tokenizer)
+        self._rendered = _Rendered()
         # One thread: large prompts are built one at a time, so that their memory stays bounded too.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompt-builder")
 
@@ -92,16 +97,22 @@ class PromptBuilder:
         return await self._cpu(conv, lambda: self.encode(self.render(conv, generation_prompt=True)))
 
     def render(self, conv: Conversation, upto: int | None = None, *, generation_prompt: bool) -> str:
+        """The chat template's text of `conv.messages[:upto]`. A continuation's "history before the
+        reply" is its parent's whole prompt, rendered when the parent was built: the text is kept
+        (`_Rendered`) under a digest of the template's exact input, so it is rendered once, not twice."""
         if not conv.messages:  # e.g. every block of an Anthropic request was one the prompt leaves out
             raise APIError(
                 400, "the request holds no message the model can read", param="messages", code="empty_prompt"
             )
-        return self._tok.apply_chat_template(
-            conv.template_messages(upto),
-            tools=list(conv.tools) or None,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-        )
+        messages, tools = conv.template_messages(upto), list(conv.tools) or None
+        key = _Rendered.key(messages, tools, generation_prompt)
+        text = self._rendered.get(key)
+        if text is None:
+            text = self._tok.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+            self._rendered.put(key, text)
+        return text
 
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:
@@ -193,6 +204,49 @@ class PromptBuilder:
                 return parent
         found = await self._store.find_call_by_reply(attempt_id, [digest])
         return None if found is None else found[0]
+
+
+class _Rendered:
+    """Rendered prompts by a digest of the template's input (messages, tools, generation prompt), the
+    most recent first out of `max_chars` characters in all. Locked: large prompts render on the
+    builder's thread while others render on the event loop."""
+
+    def __init__(self, max_chars: int = 16 * 1024 * 1024) -> None:
+        self._texts: OrderedDict[bytes, str] = OrderedDict()
+        self._chars = 0
+        self._max = max_chars
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(
+        messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool
+    ) -> bytes | None:
+        """None where the input is not JSON orjson writes (then it is rendered every time)."""
+        try:
+            return hashlib.blake2b(orjson.dumps([messages, tools, generation]), digest_size=16).digest()
+        except orjson.JSONEncodeError:
+            return None
+
+    def get(self, key: bytes | None) -> str | None:
+        if key is None:
+            return None
+        with self._lock:
+            text = self._texts.get(key)
+            if text is not None:
+                self._texts.move_to_end(key)
+            return text
+
+    def put(self, key: bytes | None, text: str) -> None:
+        if key is None or len(text) > self._max:
+            return
+        with self._lock:
+            if key in self._texts:
+                return
+            self._texts[key] = text
+            self._chars += len(text)
+            while self._chars > self._max:
+                _, old = self._texts.popitem(last=False)
+                self._chars -= len(old)
 
 
 def root_reason(conv: Conversation, turns: list[tuple[int, str]], known_turns: set[str]) -> str:

@@ -29,15 +29,17 @@ which would take `1` for `true` or `1.0` and ignore key order; every reader rebu
 
 import asyncio
 import hashlib
+import json
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import orjson
 from sqlalchemy import (
+    JSON,
     URL,
     Connection,
     Engine,
@@ -646,7 +648,9 @@ class Store:
         database dropped is replaced, not kept)."""
         if self._call_engine is None:
             async with self._engine.begin() as conn:
-                return await conn.run_sync(_insert_calls, records, self._bodies)
+                return await conn.run_sync(
+                    lambda sync: _insert_calls(_CoreCalls(sync), records, self._bodies)
+                )
         assert self._write_lock is not None
         async with self._write_lock:
             if self._call_thread is None:
@@ -657,7 +661,7 @@ class Store:
     def _insert_calls_sync(self, records: list[CallRecord]) -> list[int | None]:
         assert self._call_engine is not None
         with self._call_engine.begin() as conn:
-            return _insert_calls(conn, records, self._bodies)
+            return _insert_calls(_SqliteCalls(conn.connection.driver_connection), records, self._bodies)
 
     async def call_digests(self, attempt_id: str) -> tuple[dict[str, int], dict[str, int], set[str]]:
         """(reply digest -> call id, request digest -> call id, turns digests of the replies) of the
@@ -1077,14 +1081,82 @@ def _migrate_sqlite(url: URL, pragmas: Callable[[Any, Any], None]) -> None:
         engine.dispose()
 
 
-def _insert_calls(conn: Connection, records: Sequence[CallRecord], bodies: Bodies) -> list[int | None]:
+class _CoreCalls:
+    """The call writer's three statements on a SQLAlchemy connection (PostgreSQL)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def live(self, attempt_ids: list[str], now: float) -> set[str]:
+        """Of `attempt_ids`, those running with a lease not expired at `now`, share-locked."""
+        return set(self.conn.execute(_LIVE_ATTEMPTS, {"ids": attempt_ids, "now": now}).scalars())
+
+    def parents(self, ids: list[int]) -> dict[int, Any]:
+        """The calls `ids` as `_PARENTS` reads them, by id."""
+        return {p.id: p for p in self.conn.execute(_PARENTS, {"ids": ids})}
+
+    def insert(self, rows: list[dict[str, Any]]) -> list[int]:
+        """`_call_row`s inserted; their ids in order."""
+        return list(self.conn.execute(_INSERT_CALLS, rows).scalars())
+
+
+class _ParentRow(NamedTuple):
+    id: int
+    prompt_prefix: int | None
+    prompt_ids: bytes
+    response_ids: bytes
+    body_items: int | None
+    body_digest: str | None
+
+
+# SQLite's call writer: the same statements as plain SQL, written once from tables.py's columns. Run
+# through SQLAlchemy, compiling, caching and processing each statement's parameters cost more Python
+# than SQLite takes to run it (bench/RESULTS.md). Values go in as SQLAlchemy's SQLite types put them:
+# JSON as `json.dumps` text (None as JSON null), the rest as they are; a test compares the rows.
+_SQLITE_COLUMNS = [c.name for c in calls.columns if c.name != "id"]
+_SQLITE_JSON = {c.name for c in calls.columns if isinstance(c.type, JSON)}
+_SQLITE_INSERT = (
+    f"INSERT INTO calls ({', '.join(_SQLITE_COLUMNS)}) "
+    f"VALUES ({', '.join('?' * len(_SQLITE_COLUMNS))}) RETURNING id"
+)
+_SQLITE_PARENT_COLUMNS = ", ".join(_ParentRow._fields)
+
+
+class _SqliteCalls:
+    """The call writer's three statements on the sqlite3 connection of a SQLAlchemy transaction."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+
+    def live(self, attempt_ids: list[str], now: float) -> set[str]:
+        marks = ", ".join("?" * len(attempt_ids))
+        sql = (
+            f"SELECT id FROM attempts WHERE id IN ({marks}) AND status = 'running' AND lease_expires_at >= ?"
+        )
+        return {row[0] for row in self.db.execute(sql, [*attempt_ids, now])}
+
+    def parents(self, ids: list[int]) -> dict[int, Any]:
+        marks = ", ".join("?" * len(ids))
+        sql = f"SELECT {_SQLITE_PARENT_COLUMNS} FROM calls WHERE id IN ({marks})"
+        return {row[0]: _ParentRow(*row) for row in self.db.execute(sql, ids)}
+
+    def insert(self, rows: list[dict[str, Any]]) -> list[int]:
+        out = []
+        for row in rows:
+            values = [json.dumps(row[c]) if c in _SQLITE_JSON else row[c] for c in _SQLITE_COLUMNS]
+            out.append(self.db.execute(_SQLITE_INSERT, values).fetchone()[0])
+        return out
+
+
+def _insert_calls(
+    db: _CoreCalls | _SqliteCalls, records: Sequence[CallRecord], bodies: Bodies
+) -> list[int | None]:
     """Insert the calls in the caller's transaction, each continuation as what it adds to its parent
     (`_prefix`, `_body`), and only those of attempts still running with a live lease (None for the
     others). The attempts' rows stay share-locked until the commit, so a completion (which locks its row
     for update) comes wholly before the check or wholly after the record; on SQLite every write of the
     process is serialised."""
-    attempt_ids = sorted({r.attempt_id for r in records})
-    live = set(conn.execute(_LIVE_ATTEMPTS, {"ids": attempt_ids, "now": time.time()}).scalars())
+    live = db.live(sorted({r.attempt_id for r in records}), time.time())
     kept = [r for r in records if r.attempt_id in live]
     if not kept:
         return [None] * len(records)
@@ -1093,9 +1165,9 @@ def _insert_calls(conn: Connection, records: Sequence[CallRecord], bodies: Bodie
         for r in kept
         if r.parent_call_id is not None and (r.prefix_reused or bodies == "full")
     }
-    parents = {p.id: p for p in conn.execute(_PARENTS, {"ids": list(wanted)})} if wanted else {}
+    parents = db.parents(sorted(wanted)) if wanted else {}
     rows = [_call_row(rec, parents.get(rec.parent_call_id), bodies) for rec in kept]
-    new_ids = iter(conn.execute(_INSERT_CALLS, rows).scalars())
+    new_ids = iter(db.insert(rows))
     return [next(new_ids) if r.attempt_id in live else None for r in records]
 
 
