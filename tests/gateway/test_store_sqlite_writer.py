@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sqlalchemy import create_engine
+from test_store import _record as store_record
 
 from inharness.gateway import schema
 from inharness.gateway.store import CallRecord, Store
@@ -19,32 +20,9 @@ from inharness.gateway.store.tables import calls
 
 
 def _record(attempt: schema.ClaimedAttempt, n: int, **changes: object) -> CallRecord:
-    now = time.time()
-    base = CallRecord(
-        attempt_id=attempt.id,
-        rollout_id=attempt.rollout_id,
-        request_id=f"r{n}",
-        choice_index=0,
-        protocol="openai.chat",
-        requested_model="m",
-        model_version=0,
-        engine="e",
-        prompt_ids=[1, 2, n],
-        response_ids=[7, n],
-        response_logprobs=[-0.5, -1.0],
-        finish_reason="stop",
-        parent_call_id=None,
-        prefix_reused=False,
-        prefix_mismatch=None,
-        request_digest=f"q{n}",
-        reply_digest=f"a{n}",
-        started_at=now,
-        first_token_at=None,
-        finished_at=now,
-        request_body={"model": "m", "messages": [{"role": "user", "content": "2+3?"}]},
-        response_body={"id": f"c{n}", "choices": [{"message": {"content": "5", "refusal": None}}]},
-    )
-    return replace(base, **changes)
+    body = {"model": "m", "messages": [{"role": "user", "content": "2+3?"}]}
+    answer = {"id": f"c{n}", "choices": [{"message": {"content": "5", "refusal": None}}]}
+    return replace(store_record(attempt, n), **{"request_body": body, "response_body": answer, **changes})
 
 
 def _claimed(db: Path) -> schema.ClaimedAttempt:
