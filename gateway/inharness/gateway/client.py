@@ -23,10 +23,18 @@ class GatewayError(Exception):
         self.code = code
 
 
+# The gateway went away before answering: a request that reached it may or may not have been applied.
+_DROPPED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+
+
 class GatewayClient:
-    """`connect_retry_seconds`: how long a request that could not connect is retried, for a gateway
-    being restarted (`inharness run` restarts a dead one). Only connection failures are retried: the
-    request was never sent, so retrying cannot apply it twice."""
+    """`connect_retry_seconds`: how long a request is retried while the gateway is being restarted
+    (`inharness run` restarts a dead one). A request that could not connect is retried whatever it is:
+    it was never sent. One whose connection the gateway dropped before answering (it died mid-request)
+    is retried only when applying it twice means the same as once: reads, and the requests marked
+    `idempotent` (a model version registered or activated, the serving pause and resume, a progress
+    report, holds, lease renewals); the others (claims, rollouts created, completions) fail, and their
+    callers decide."""
 
     def __init__(
         self, base_url: str, admin_token: str, *, timeout: float = 60.0, connect_retry_seconds: float = 0.0
@@ -46,11 +54,14 @@ class GatewayClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, body: Any = None, **params: Any) -> httpx.Response:
+    async def _call(
+        self, method: str, path: str, body: Any = None, *, idempotent: bool = False, **params: Any
+    ) -> httpx.Response:
         content = None if body is None else orjson.dumps(body)
         headers = {"content-type": "application/json"} if content is not None else None
         r = await self._connected(
-            lambda: self._http.request(method, path, content=content, headers=headers, params=params or None)
+            lambda: self._http.request(method, path, content=content, headers=headers, params=params or None),
+            idempotent=idempotent or method == "GET",
         )
         if r.status_code >= 400:
             try:
@@ -60,13 +71,16 @@ class GatewayClient:
                 raise GatewayError(r.status_code, r.text) from None
         return r
 
-    async def _connected(self, send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+    async def _connected(
+        self, send: Callable[[], Awaitable[httpx.Response]], *, idempotent: bool
+    ) -> httpx.Response:
         deadline = time.monotonic() + self.connect_retry_seconds
+        retried = _DROPPED if idempotent else httpx.ConnectError
         delay = 0.1
         while True:
             try:
                 return await send()
-            except httpx.ConnectError:
+            except retried:
                 if time.monotonic() + delay > deadline:
                     raise
             await asyncio.sleep(delay)
@@ -109,7 +123,10 @@ class GatewayClient:
 
     async def heartbeat(self, attempt_id: str, lease_seconds: float | None = None) -> schema.AttemptOut:
         r = await self._call(
-            "POST", f"/api/v1/attempts/{attempt_id}/heartbeat", {"lease_seconds": lease_seconds}
+            "POST",
+            f"/api/v1/attempts/{attempt_id}/heartbeat",
+            {"lease_seconds": lease_seconds},
+            idempotent=True,
         )
         return schema.AttemptOut.model_validate_json(r.content)
 
@@ -119,7 +136,9 @@ class GatewayClient:
         """Renew many leases in one request (at most `schema.MAX_HEARTBEAT_BATCH` ids): one answer per
         id, in order, saying whether its lease was renewed or why not."""
         body = schema.HeartbeatBatchRequest(attempt_ids=list(attempt_ids), lease_seconds=lease_seconds)
-        r = await self._call("POST", "/api/v1/attempts/heartbeat-batch", body.model_dump(mode="json"))
+        r = await self._call(
+            "POST", "/api/v1/attempts/heartbeat-batch", body.model_dump(mode="json"), idempotent=True
+        )
         return schema.HeartbeatBatchResponse.model_validate_json(r.content).attempts
 
     async def complete(
@@ -147,12 +166,12 @@ class GatewayClient:
 
     async def hold(self, rollout_ids: Sequence[str]) -> int:
         """Queued rollouts of these become held (not claimable); returns how many changed."""
-        r = await self._call("POST", "/api/v1/rollouts/hold", {"ids": list(rollout_ids)})
+        r = await self._call("POST", "/api/v1/rollouts/hold", {"ids": list(rollout_ids)}, idempotent=True)
         return schema.ChangedResponse.model_validate_json(r.content).changed
 
     async def unhold(self, rollout_ids: Sequence[str]) -> int:
         """Held rollouts of these become queued again; returns how many changed."""
-        r = await self._call("POST", "/api/v1/rollouts/unhold", {"ids": list(rollout_ids)})
+        r = await self._call("POST", "/api/v1/rollouts/unhold", {"ids": list(rollout_ids)}, idempotent=True)
         return schema.ChangedResponse.model_validate_json(r.content).changed
 
     async def posted_reward(self, attempt_id: str) -> schema.PostedRewardOut | None:
@@ -172,7 +191,7 @@ class GatewayClient:
         if status is not None:
             params["status"] = status
         request = self._http.build_request("GET", "/api/v1/export/rollouts", params=params)
-        r = await self._connected(lambda: self._http.send(request, stream=True))
+        r = await self._connected(lambda: self._http.send(request, stream=True), idempotent=True)
         try:
             if r.status_code >= 400:
                 await r.aread()
@@ -184,12 +203,11 @@ class GatewayClient:
             await r.aclose()
 
     async def register_version(self, version: int, engines: list[str], *, activate: bool = False) -> None:
-        await self._call(
-            "POST", "/api/v1/models/versions", {"version": version, "engines": engines, "activate": activate}
-        )
+        body = {"version": version, "engines": engines, "activate": activate}
+        await self._call("POST", "/api/v1/models/versions", body, idempotent=True)
 
     async def activate_version(self, version: int) -> None:
-        await self._call("POST", "/api/v1/models/active", {"version": version})
+        await self._call("POST", "/api/v1/models/active", {"version": version}, idempotent=True)
 
     async def versions(self) -> schema.ModelVersionsResponse:
         r = await self._call("GET", "/api/v1/models/versions")
@@ -198,21 +216,20 @@ class GatewayClient:
     async def pause(
         self, *, hold_seconds: float | None = None, drain_seconds: float = 0.0
     ) -> schema.ServingState:
-        r = await self._call(
-            "POST", "/api/v1/serving/pause", {"hold_seconds": hold_seconds, "drain_seconds": drain_seconds}
-        )
+        body = {"hold_seconds": hold_seconds, "drain_seconds": drain_seconds}
+        r = await self._call("POST", "/api/v1/serving/pause", body, idempotent=True)
         return schema.ServingState.model_validate_json(r.content)
 
     async def resume(self) -> schema.ServingState:
         return schema.ServingState.model_validate_json(
-            (await self._call("POST", "/api/v1/serving/resume")).content
+            (await self._call("POST", "/api/v1/serving/resume", idempotent=True)).content
         )
 
     async def serving(self) -> schema.ServingState:
         return schema.ServingState.model_validate_json((await self._call("GET", "/api/v1/serving")).content)
 
     async def report_progress(self, report: schema.ProgressReport) -> schema.ProgressOut:
-        r = await self._call("POST", "/api/v1/progress", report.model_dump(mode="json"))
+        r = await self._call("POST", "/api/v1/progress", report.model_dump(mode="json"), idempotent=True)
         return schema.ProgressOut.model_validate_json(r.content)
 
     async def progress(self) -> schema.ProgressOut:
