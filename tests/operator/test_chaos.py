@@ -115,9 +115,12 @@ async def all_final(client: GatewayClient, ids: list[str], supervisor: Superviso
     raise AssertionError(f"rollouts not final within 240 s: {dict(statuses)}")
 
 
-async def healthy(server: Server) -> bool:
-    """Up and answering: a child the Supervisor is still restarting is not killed again, as the
-    Supervisor would rightly give up on one that dies while it starts."""
+async def healthy(server: Server, supervisor: Supervisor, name: str) -> bool:
+    """Up, answering, and restarted as far as the Supervisor knows: a child it is still restarting is
+    not killed again (it answers before the Supervisor's own check sees it up, and the Supervisor
+    rightly gives up on one that dies while it starts)."""
+    if any(o.ended is None and o.what.split()[0] == name for o in supervisor.outages):
+        return False
     async with httpx.AsyncClient(timeout=2) as http:
         try:
             return server.alive and (await http.get(server.url + server.health)).status_code == 200
@@ -125,11 +128,13 @@ async def healthy(server: Server) -> bool:
             return False
 
 
-async def all_healthy(procs: dict[str, Server], names: list[str], within: float) -> bool:
+async def all_healthy(
+    procs: dict[str, Server], supervisor: Supervisor, names: list[str], within: float
+) -> bool:
     """Whether the children `names` are all up and answering, waiting up to `within` s for those
     the Supervisor is still restarting."""
     deadline = time.monotonic() + within
-    while not all([await healthy(procs[n]) for n in names]):
+    while not all([await healthy(procs[n], supervisor, n) for n in names]):
         if time.monotonic() > deadline:
             return False
         await asyncio.sleep(0.25)
@@ -234,8 +239,8 @@ async def chaos(setup: Setup, model: Path, tmp_path: Path, log_dir: Path) -> Run
                 spared = [g for g in setup.gateways if g != victim and victim != "engine"]
                 if (
                     (n < len(setup.victims) or rng.random() < 0.75)
-                    and await healthy(procs[victim])
-                    and await all_healthy(procs, spared, within=30)  # one replica down at a time
+                    and await healthy(procs[victim], supervisor, victim)
+                    and await all_healthy(procs, supervisor, spared, within=30)  # one replica down at a time
                 ):
                     procs[victim].kill9()
                     run.kills[victim] += 1
