@@ -255,7 +255,10 @@ class _LocalRun:
 
         # Harness commands such as `python harness.py` resolve to this environment's interpreter first.
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        inference = await self._inference()
+        try:
+            inference = await self._inference()
+        except (ImportError, RuntimeError) as exc:  # vLLM missing, or its servers did not start
+            return f"the inference servers did not start: {exc!r}"
         engine, gateway, supervisor, admin = self._children(lock, inference)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
