@@ -1232,31 +1232,32 @@ _CHAIN_COLUMNS = (
 )
 
 
-async def _chain(conn: AsyncConnection, call_id: int) -> dict[int, Any]:
-    """The call and the ancestors its stored prompt needs, by id, in one recursive query."""
-    chain = select(*_CHAIN_COLUMNS).where(calls.c.id == call_id).cte("chain", recursive=True)
+async def _ancestors(
+    conn: AsyncConnection, call_id: int, columns: Sequence[Any], prefix: Any, name: str
+) -> dict[int, Any]:
+    """The call and the ancestors it needs, by id, in one recursive query: a call's parent is read
+    while the call's `prefix` column says it is stored as what it adds to that parent."""
+    chain = select(*columns).where(calls.c.id == call_id).cte(name, recursive=True)
     parents = (
-        select(*_CHAIN_COLUMNS)
+        select(*columns)
         .join(chain, calls.c.id == chain.c.parent_call_id)
-        .where(chain.c.prompt_prefix.is_not(None))
+        .where(chain.c[prefix.name].is_not(None))
     )
     chain = chain.union_all(parents)
     return {r.id: r for r in (await conn.execute(select(chain))).all()}
+
+
+async def _chain(conn: AsyncConnection, call_id: int) -> dict[int, Any]:
+    """The call and the ancestors its stored prompt needs."""
+    return await _ancestors(conn, call_id, _CHAIN_COLUMNS, calls.c.prompt_prefix, "chain")
 
 
 _BODY_COLUMNS = (calls.c.id, calls.c.parent_call_id, calls.c.body_prefix, calls.c.request_body)
 
 
 async def _body_chain(conn: AsyncConnection, call_id: int) -> dict[int, Any]:
-    """The call and the ancestors its stored request body needs, by id, in one recursive query."""
-    chain = select(*_BODY_COLUMNS).where(calls.c.id == call_id).cte("body_chain", recursive=True)
-    parents = (
-        select(*_BODY_COLUMNS)
-        .join(chain, calls.c.id == chain.c.parent_call_id)
-        .where(chain.c.body_prefix.is_not(None))
-    )
-    chain = chain.union_all(parents)
-    return {r.id: r for r in (await conn.execute(select(chain))).all()}
+    """The call and the ancestors its stored request body needs."""
+    return await _ancestors(conn, call_id, _BODY_COLUMNS, calls.c.body_prefix, "body_chain")
 
 
 async def _bodies_of(conn: AsyncConnection, rows: Sequence[Any]) -> dict[int, dict[str, Any] | None]:
