@@ -798,4 +798,5 @@ async def test_consecutive_failures_without_a_model_call_halt_the_controller(
         "3 attempts in a row failed before any model call was recorded: exited with code 3"
     )
     assert str(tmp_path / "work" / outs[3].attempts[0].id / "stderr.log") in ctrl.fatal
+    assert "the end of its stderr:\n    boom: the harness fell over" in ctrl.fatal, ctrl.fatal
     assert "fix: the harness failed before calling the model" in ctrl.fatal

@@ -317,13 +317,17 @@ def test_attempts_failing_alike_before_any_model_call_stop_the_run_early(
 ) -> None:
     out = tmp_path / "out"
     spec = write_spec(
-        tmp_path / "run.yaml", tool_model, steps=3, command="[python, -c, 'import sys; sys.exit(4)']"
+        tmp_path / "run.yaml",
+        tool_model,
+        steps=3,
+        command="[python, -c, 'import sys; sys.exit(\"no such module: harness_main\")']",
     )
     result = run(spec, out, "--max-consecutive-failures", "3", timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     assert (
-        "3 attempts in a row failed before any model call was recorded: exited with code 4" in result.stderr
+        "3 attempts in a row failed before any model call was recorded: exited with code 1" in result.stderr
     )
+    assert "the end of its stderr:\n    no such module: harness_main" in result.stderr, result.stderr
     assert "fix: the harness failed before calling the model: read its stderr.log" in result.stderr
     failed = [a for a in attempts_in_store(out) if a[0] == "failed"]
     assert 3 <= len(failed) < 8, "stopped before burning the batch's 8 attempts"

@@ -261,6 +261,11 @@ class ClaimingController(ABC):
         """Where a user reads what the attempt's harness printed (shown when a run stops early)."""
         return ""
 
+    def log_tail(self, attempt_id: str) -> list[str]:
+        """The last lines the attempt's harness wrote to stderr (bounded; empty where the backend cannot
+        read them), shown with `logs_of` so that a user sees the error without opening a file."""
+        return []
+
     async def begin(self) -> None:
         """Before the first claim."""
         return None
@@ -476,10 +481,12 @@ class ClaimingController(ABC):
         limit = self.max_consecutive_failures
         if limit and self._streak[1] >= limit:
             logs = self.logs_of(attempt.id)
+            tail = "".join(f"\n    {line}" for line in self.log_tail(attempt.id))
             fix = fix_for(outcome.reason or "")
             self.halt(
                 f"{limit} attempts in a row failed before any model call was recorded: {outcome.reason}"
                 + (f"\n  logs of the last one: {logs}" if logs else "")
+                + (f"\n  the end of its stderr:{tail}" if tail else "")
                 + (f"\n  fix: {fix}" if fix else "")
             )
 

@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 STDERR_TAIL_BYTES = 2048
+LOG_TAIL_BYTES, LOG_TAIL_LINES, LOG_TAIL_LINE_CHARS = 4096, 12, 240  # what a halted run prints of stderr.log
 MAX_RESULT_BYTES = 1 << 20
 PRELOAD_SCRIPT = Path(__file__).with_name("preload.py")
 
@@ -129,6 +130,10 @@ class LocalRolloutController(ClaimingController):
     def logs_of(self, attempt_id: str) -> str:
         adir = self.work_dir / attempt_id
         return f"{adir / 'stderr.log'} (and stdout.log beside it)"
+
+    def log_tail(self, attempt_id: str) -> list[str]:
+        text = _tail(self.work_dir / attempt_id / "stderr.log", LOG_TAIL_BYTES)
+        return [line[:LOG_TAIL_LINE_CHARS] for line in text.splitlines()[-LOG_TAIL_LINES:] if line.strip()]
 
     async def execute(self, attempt: ClaimedAttempt, abort: Abort) -> Outcome:
         adir = self.work_dir / attempt.id
