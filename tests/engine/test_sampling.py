@@ -65,9 +65,11 @@ def test_seeded_sampling_reproduces(model: PreTrainedModel) -> None:
     assert other != generate(model, PROMPT, params)
 
 
-def test_tiny_top_p_is_greedy(model: PreTrainedModel) -> None:
+@pytest.mark.parametrize("top_p", [1e-6, 1e-50, 5e-324])
+def test_tiny_top_p_is_greedy(model: PreTrainedModel, top_p: float) -> None:
+    """Down to values that are 0 in float32 (an outside fuzzer sent 5e-324): the top token survives."""
     greedy = generate(model, PROMPT, SamplingParams(max_tokens=10, temperature=0))[0]
-    nucleus = generate(model, PROMPT, SamplingParams(max_tokens=10, temperature=0.8, top_p=1e-6, seed=1))[0]
+    nucleus = generate(model, PROMPT, SamplingParams(max_tokens=10, temperature=0.8, top_p=top_p, seed=1))[0]
     assert nucleus.token_ids == greedy.token_ids
 
 

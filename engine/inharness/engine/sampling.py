@@ -136,6 +136,9 @@ def _sample(
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
             # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
             keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < params.top_p
+            # A top_p below float32's smallest subnormal (1e-50 passes the range check) rounds to 0 in
+            # the comparison and would keep nothing: the top token is kept whatever top_p is.
+            keep[..., 0] = True
             sorted_probs = sorted_probs * keep
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
