@@ -334,3 +334,20 @@ async def test_concurrent_hostile_bodies_leave_the_gateway_serving(gateway: Serv
         statuses = await asyncio.gather(*(hostile(h, b) for b in bodies))
         assert set(statuses) == {400}
         assert (await h.get("/healthz")).status_code == 200
+
+
+# --- cursors past 64 bits --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("after", [2**63, 91135674627371472781312])
+def test_an_export_cursor_past_64_bits_is_refused_naming_it_before_any_line(
+    gateway: Server, after: int
+) -> None:
+    """An outside fuzzer's find: the store cannot hold such a cursor, and a 200 that then breaks off
+    mid-stream looks to a reader like a cut connection; the bound is checked before the first byte."""
+    with admin(gateway) as c:
+        r = c.get("/api/v1/export/rollouts", params={"after": after})
+        last = c.get("/api/v1/export/rollouts", params={"after": 2**63 - 1})
+    assert r.status_code == 400, r.text  # the gateway's answer to every invalid parameter
+    assert r.json()["error"]["param"] == "query.after"
+    assert last.status_code == 200 and last.content == b""

@@ -178,7 +178,9 @@ async def list_calls(request: Request, attempt_id: str, bodies: bool = True) -> 
 @router.get("/export/rollouts", responses={200: {"content": {"application/x-ndjson": {}}}})
 async def export_rollouts(
     request: Request,
-    after: int = Query(default=0, ge=0, description="cursor of the last rollout already read"),
+    after: int = Query(
+        default=0, ge=0, le=schema.MAX_INT64, description="cursor of the last rollout already read"
+    ),
     limit: int = Query(default=1000, ge=1, le=100_000),
     page: int = Query(default=100, ge=1, le=1000, description="rollouts read from the store at a time"),
     bodies: bool = False,
