@@ -4,7 +4,8 @@ its attempt's key, what the control API tells about it, batch claims, released a
 rollouts."""
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,68 @@ async def test_a_posted_reward_must_be_one_finite_number_and_a_refused_post_keep
         assert r.status_code == status, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert await gw.posted_reward(attempt.id) is None
+
+
+# --- a claim whose answer was lost ---------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def losing_first_answer(upstream: str, path: str) -> AsyncIterator[str]:
+    """A relay on 127.0.0.1 in front of the gateway: each request goes through whole, one per connection;
+    the first answer to `path` is read from the gateway and thrown away, the connection closed, as
+    when a gateway is killed between the commit and the reply. Yields the relay's URL."""
+    host, port = upstream.removeprefix("http://").split(":")
+    lost: list[bool] = []
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        length = next((int(x.split(":")[1]) for x in lines if x.lower().startswith("content-length:")), 0)
+        body = await reader.readexactly(length)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        up_writer.write(head.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n", 1) + body)
+        answer = await up_reader.read()  # the gateway closes after the answer
+        up_writer.close()
+        if lines[0].split()[1] == path and not lost:
+            lost.append(True)
+        else:
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["claim", "claim-batch"])
+async def test_a_claim_whose_answer_was_lost_is_answered_by_its_repeat_not_left_to_its_lease(
+    gateway: Server, batch: bool
+) -> None:
+    pool, route = (
+        f"lost-answer-{batch}",
+        "/api/v1/attempts/claim-batch" if batch else "/api/v1/attempts/claim",
+    )
+    async with (
+        GatewayClient(gateway.url, ADMIN) as gw,
+        losing_first_answer(gateway.url, route) as relay_url,
+        GatewayClient(relay_url, ADMIN, connect_retry_seconds=10) as through,
+    ):
+        made = await gw.create_rollouts([{"q": 1}, {"q": 2}], pool=pool)
+        if batch:
+            got = await through.claim_batch(pool, 600, limit=1, claim_key="a-key-for-one-claim")
+        else:
+            got = [await through.claim(pool, 600, claim_key="a-key-for-one-claim")]
+        (attempt,) = got
+        assert attempt is not None and attempt.rollout_id == made[0].id
+        ro = await gw.get_rollout(made[0].id)
+        assert [a.id for a in ro.attempts] == [attempt.id]  # the first claim's attempt, not a second one
+        assert (await gw.get_rollout(made[1].id)).status == "queued"
+        r = await post(gateway, attempt.token, {"reward": 0.5})  # the key handed out works
+        assert r.status_code == 200, r.text
 
 
 # --- batch claims ---------------------------------------------------------------------------------------

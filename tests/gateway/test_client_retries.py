@@ -1,6 +1,7 @@
 """The gateway client across a gateway that dies mid-request: a request the gateway dropped before
 answering is sent again only when applying it twice means the same as once (reads and the requests
-marked idempotent); a claim is not (it could start a second attempt), and fails.
+marked idempotent); a claim without a `claim_key` is not (it could start a second attempt), and fails
+(a keyed one is repeated: test_attempt_api.py).
 
 The "gateway" here is a raw asyncio server on 127.0.0.1 that reads each request whole and closes the
 first `drop` connections without a word, as a gateway killed between reading and answering does; then

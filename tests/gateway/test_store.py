@@ -87,6 +87,25 @@ async def test_claims_are_fifo_and_none_when_empty(store: Store) -> None:
     assert await store.claim("other-pool", 60) is None
 
 
+async def test_a_claim_repeated_with_its_key_gets_its_attempts_again_rekeyed_and_claims_nothing_new(
+    store: Store,
+) -> None:
+    """What a claimer whose answer was lost (the gateway killed between commit and reply) relies on."""
+    ids = await store.create_rollouts(schema.CreateRollouts(tasks=["a", "b", "c"]), default_max_attempts=1)
+    lost = await store.claim_many("default", 1, 2, claim_key="key-of-the-first-claim")
+    again = await store.claim_many("default", 60, 2, claim_key="key-of-the-first-claim")
+    assert [a.id for a in again] == [a.id for a in lost] and [a.rollout_id for a in again] == ids[:2]
+    assert [(a.seq, a.task) for a in again] == [(a.seq, a.task) for a in lost]
+    assert all(a.lease_expires_at > time.time() + 30 for a in again)  # the repeat's lease, renewed
+    assert await store.attempt_by_token(lost[0].token) is None  # only the answer received holds a key
+    assert (await store.attempt_by_token(again[0].token)).id == lost[0].id
+    other = await store.claim("default", 60, claim_key="key-of-another-claim")
+    assert other.rollout_id == ids[2]
+    await store.complete(other.id, schema.CompleteRequest(status="succeeded", reward=1.0))
+    assert await store.claim("default", 60, claim_key="key-of-another-claim") is None  # it ended: not new
+    assert [r.status for r in await store.get_rollouts(ids)] == ["running", "running", "succeeded"]
+
+
 async def test_expired_lease_requeues_as_a_new_attempt_up_to_the_limit(store: Store) -> None:
     (rid,) = await store.create_rollouts(schema.CreateRollouts(tasks=["t"]), default_max_attempts=2)
     a1 = await store.claim("default", 0.01)

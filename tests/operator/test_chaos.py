@@ -299,10 +299,14 @@ def check(run: Run) -> None:
     assert run.controller_succeeded == store_succeeded, (run.controller_succeeded, store_succeeded)
     assert sorted(run.exported) == sorted(run.ids), "the export gave a rollout twice, or missed one"
     charged_for = Counter(a.failure_reason for a in attempts if a.status == "failed")
-    odd = [(a.claimed_at, a.finished_at) for a in attempts if a.failure_reason not in (None, SIGKILLED)]
+    odd = [
+        (a.failure_reason, a.claimed_at, a.finished_at)
+        for a in attempts
+        if a.status == "failed" and a.failure_reason != SIGKILLED
+    ]
     assert charged_for.keys() <= {SIGKILLED}, (
         f"an outage of a gateway or the engine was charged to a rollout: {charged_for}; "
-        f"those attempts ran (claimed, finished) {odd[:5]}, the outages {run.outages}"
+        f"those attempts (reason, claimed, finished) {odd[:5]}, the outages {run.outages}"
     )
     for o in outs:
         charged = [a for a in o.attempts if a.status != "released"]

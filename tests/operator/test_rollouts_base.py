@@ -68,9 +68,11 @@ class _Gateway:
     def __init__(self) -> None:
         self.up = False
         self.claims: list[float] = []
+        self.keys: list[str | None] = []
 
-    async def claim(self, pool: str, lease_seconds: float) -> None:
+    async def claim(self, pool: str, lease_seconds: float, claim_key: str | None = None) -> None:
         self.claims.append(time.monotonic())
+        self.keys.append(claim_key)
         if not self.up:
             raise httpx.ConnectError("All connection attempts failed")
 
@@ -120,9 +122,16 @@ async def test_failing_claims_back_off_are_said_once_then_summarised_and_recover
         assert all(b - a >= 0.99 for a, b in itertools.pairwise(warned_at)), warned_at
         assert len(warned) < len(gateway.claims)
         assert said == []
+        failed = len(gateway.keys)
         gateway.up = True
         await eventually(lambda: controller.claim_trouble is None, "claims pass again", within=5)
         assert said == [said[0]] and said[0].startswith("pool calc-pool: claiming again after")
+        await eventually(lambda: len(gateway.keys) > failed + 1, "a claim after the answered one", within=5)
+        # Every unanswered claim is repeated with its key (it may have been taken); an answered one's is
+        # not used again.
+        first, answered, after = gateway.keys[0], gateway.keys[failed], gateway.keys[failed + 1]
+        assert first is not None and set(gateway.keys[: failed + 1]) == {first} == {answered}
+        assert after is not None and after != answered
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
@@ -151,7 +160,9 @@ class _Leases:
         self.down = False
         self.completed: dict[str, str] = {}
 
-    async def claim(self, pool: str, lease_seconds: float) -> ClaimedAttempt | None:
+    async def claim(
+        self, pool: str, lease_seconds: float, claim_key: str | None = None
+    ) -> ClaimedAttempt | None:
         return self.queue.pop(0) if self.queue else None
 
     async def heartbeat(self, attempt_id: str, lease_seconds: float | None = None) -> None:

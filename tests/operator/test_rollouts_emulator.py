@@ -719,7 +719,13 @@ async def test_the_controller_claims_a_batch_in_one_gateway_request(env: Env) ->
 class OlderGateway(GatewayClient):
     """A gateway from before batch claims: its claim-batch route does not exist."""
 
-    async def claim_batch(self, pool: str = "default", lease_seconds: float = 600.0, limit: int = 100) -> Any:
+    async def claim_batch(
+        self,
+        pool: str = "default",
+        lease_seconds: float = 600.0,
+        limit: int = 100,
+        claim_key: str | None = None,
+    ) -> Any:
         raise GatewayError(404, "Not Found")
 
 

@@ -106,19 +106,39 @@ class GatewayClient:
         return schema.RolloutOut.model_validate_json(r.content)
 
     async def claim(
-        self, pool: str = "default", lease_seconds: float = 600.0
+        self, pool: str = "default", lease_seconds: float = 600.0, claim_key: str | None = None
     ) -> schema.ClaimedAttempt | None:
-        r = await self._call("POST", "/api/v1/attempts/claim", {"pool": pool, "lease_seconds": lease_seconds})
+        """The oldest queued rollout's new attempt, or None. With a `claim_key` the claim is safe to
+        repeat (see `schema.ClaimKey`): a dropped connection is retried like an idempotent call."""
+        body = schema.ClaimRequest(pool=pool, lease_seconds=lease_seconds, claim_key=claim_key)
+        r = await self._call(
+            "POST",
+            "/api/v1/attempts/claim",
+            body.model_dump(mode="json", exclude_none=True),
+            idempotent=claim_key is not None,
+        )
         if r.status_code == 204:
             return None
         return schema.ClaimResponse.model_validate_json(r.content).attempt
 
     async def claim_batch(
-        self, pool: str = "default", lease_seconds: float = 600.0, limit: int = 100
+        self,
+        pool: str = "default",
+        lease_seconds: float = 600.0,
+        limit: int = 100,
+        claim_key: str | None = None,
     ) -> list[schema.ClaimedAttempt]:
-        """Up to `limit` attempts in one request (oldest queued first); [] when none is queued."""
-        body = schema.ClaimBatchRequest(pool=pool, lease_seconds=lease_seconds, limit=limit)
-        r = await self._call("POST", "/api/v1/attempts/claim-batch", body.model_dump(mode="json"))
+        """Up to `limit` attempts in one request (oldest queued first); [] when none is queued. A
+        `claim_key` makes it safe to repeat, as for `claim`."""
+        body = schema.ClaimBatchRequest(
+            pool=pool, lease_seconds=lease_seconds, limit=limit, claim_key=claim_key
+        )
+        r = await self._call(
+            "POST",
+            "/api/v1/attempts/claim-batch",
+            body.model_dump(mode="json", exclude_none=True),
+            idempotent=claim_key is not None,
+        )
         return schema.ClaimBatchResponse.model_validate_json(r.content).attempts
 
     async def heartbeat(self, attempt_id: str, lease_seconds: float | None = None) -> schema.AttemptOut:

@@ -70,7 +70,7 @@ async def claim(request: Request, body: schema.ClaimRequest) -> Response:
     expired = await store.expire_leases()
     if expired:
         _calls(request).metrics.leases_expired.inc(expired)
-    attempt = await store.claim(body.pool, body.lease_seconds)
+    attempt = await store.claim(body.pool, body.lease_seconds, body.claim_key)
     if attempt is None:
         return Response(status_code=204)
     return _json(schema.ClaimResponse(attempt=attempt))
@@ -84,7 +84,7 @@ async def claim_batch(request: Request, body: schema.ClaimBatchRequest) -> Respo
     expired = await store.expire_leases()
     if expired:
         _calls(request).metrics.leases_expired.inc(expired)
-    attempts = await store.claim_many(body.pool, body.lease_seconds, body.limit)
+    attempts = await store.claim_many(body.pool, body.lease_seconds, body.limit, body.claim_key)
     return _json(schema.ClaimBatchResponse(attempts=attempts))
 
 

@@ -4,7 +4,7 @@ The gateway owns this protocol; the trainer and the operator import these models
 `inharness.gateway.client` rather than redefining them.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
@@ -37,9 +37,21 @@ class CreateRollouts(_Wire):
     max_attempts: int | None = Field(default=None, ge=1, le=100, description="None: the gateway's default")
 
 
+ClaimKey = Annotated[
+    str | None,
+    Field(
+        min_length=8,
+        max_length=64,
+        description="a key the claimer chooses per claim: the same claim repeated with it (its answer was "
+        "lost) is answered with the attempts that key already claimed, re-keyed, instead of new ones",
+    ),
+]
+
+
 class ClaimRequest(_Wire):
     pool: str = Field(default="default", min_length=1, max_length=253)
     lease_seconds: float = Field(default=600.0, gt=0, le=86_400)
+    claim_key: ClaimKey = None
 
 
 MAX_CLAIM_BATCH = 1000
@@ -49,6 +61,7 @@ class ClaimBatchRequest(_Wire):
     pool: str = Field(default="default", min_length=1, max_length=253)
     lease_seconds: float = Field(default=600.0, gt=0, le=86_400)
     limit: int = Field(ge=1, le=MAX_CLAIM_BATCH, description="claim at most this many attempts")
+    claim_key: ClaimKey = None
 
 
 class HeartbeatRequest(_Wire):

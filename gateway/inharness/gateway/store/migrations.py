@@ -14,7 +14,7 @@ Stores made before this list existed (no `schema_version`) hold some prefix of m
 four check what exists before they create or add it, so such a store starts at version 0 like a new one.
 Migrations from 5 on may assume the version they follow.
 
-Why not Alembic: the whole history is eight small functions; a runner of twenty lines with one lock
+Why not Alembic: the whole history is nine small migrations; a runner of twenty lines with one lock
 is easier to read, test and trust than an extra dependency with its own environment and config.
 """
 
@@ -219,6 +219,12 @@ def _shared_serving(conn: Connection) -> None:
     conn.execute(insert(serving).values(id=1, paused=False, resumes_at=None, generation=0))
 
 
+def _claim_key(conn: Connection) -> None:
+    """attempts.claim_key and its index: a claim whose answer was lost can be repeated (tables.attempts)."""
+    conn.execute(text("ALTER TABLE attempts ADD COLUMN claim_key VARCHAR(64)"))
+    conn.execute(text("CREATE INDEX ix_attempts_claim_key ON attempts (claim_key)"))
+
+
 def _body_columns(conn: Connection) -> None:
     """A continuation's request body stored as the items its conversation list adds (tables.calls)."""
     _add_call_column("body_prefix", Integer)(conn)
@@ -244,6 +250,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         8,
         "calls.body_prefix, body_items, body_digest: a continuation stores the request body's new items only",
         _body_columns,
+    ),
+    Migration(
+        9, "attempts.claim_key: a claim repeated after its answer was lost is answered again", _claim_key
     ),
 )
 LATEST = MIGRATIONS[-1].version

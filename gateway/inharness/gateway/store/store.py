@@ -314,17 +314,30 @@ class Store:
             await conn.execute(insert(rollouts), rows)
         return [r["id"] for r in rows]
 
-    async def claim(self, pool: str, lease_seconds: float) -> schema.ClaimedAttempt | None:
+    async def claim(
+        self, pool: str, lease_seconds: float, claim_key: str | None = None
+    ) -> schema.ClaimedAttempt | None:
         """Start a new attempt on the oldest queued rollout of the pool, or None when none is queued.
         Callers expire passed leases first (`expire_leases`) so that their rollouts are claimable."""
-        claimed = await self.claim_many(pool, lease_seconds, 1)
+        claimed = await self.claim_many(pool, lease_seconds, 1, claim_key)
         return claimed[0] if claimed else None
 
-    async def claim_many(self, pool: str, lease_seconds: float, limit: int) -> list[schema.ClaimedAttempt]:
+    async def claim_many(
+        self, pool: str, lease_seconds: float, limit: int, claim_key: str | None = None
+    ) -> list[schema.ClaimedAttempt]:
         """Start new attempts on up to `limit` of the pool's oldest queued rollouts, in one transaction:
-        a controller starting a hundred pods pays one request and one commit, not a hundred."""
+        a controller starting a hundred pods pays one request and one commit, not a hundred.
+
+        With a `claim_key` that already claimed (a claimer whose answer was lost, say to a gateway
+        killed between commit and reply, asking again), the answer is those of its attempts that still
+        run, with new API keys (only their hashes are stored) and renewed leases, and no new attempt:
+        otherwise they would run unheld until their leases expired and be charged to their rollouts."""
         now = time.time()
         async with self._writing() as conn:
+            if claim_key is not None:
+                again = await _claimed_again(conn, pool, claim_key, lease_seconds, now)
+                if again is not None:
+                    return again
             rows = (
                 await conn.execute(
                     select(rollouts.c.id, rollouts.c.group_id, rollouts.c.task, rollouts.c.attempts_started)
@@ -362,6 +375,7 @@ class Store:
                         "claimed_at": now,
                         "lease_expires_at": attempt.lease_expires_at,
                         "info": {},
+                        "claim_key": claim_key,
                     }
                 )
             await conn.execute(
@@ -939,6 +953,47 @@ async def _attempt_row(conn: AsyncConnection, attempt_id: str, *, lock: bool = F
     if row is None:
         raise NotFound(f"attempt {attempt_id} not found")
     return row
+
+
+async def _claimed_again(
+    conn: AsyncConnection, pool: str, claim_key: str, lease_seconds: float, now: float
+) -> list[schema.ClaimedAttempt] | None:
+    """The running attempts `claim_key` claimed, re-keyed and re-leased; None if it claimed none."""
+    a, r = attempts.c, rollouts.c
+    rows = (
+        await conn.execute(
+            select(a.id, a.rollout_id, a.seq, a.status, r.group_id, r.task)
+            .join(rollouts, r.id == a.rollout_id)
+            .where(a.claim_key == claim_key, a.pool == pool)
+            .order_by(r.created_seq)
+            .with_for_update(of=attempts)
+        )
+    ).all()
+    if not rows:
+        return None
+    out = [
+        schema.ClaimedAttempt(
+            id=row.id,
+            rollout_id=row.rollout_id,
+            group_id=row.group_id,
+            seq=row.seq,
+            task=row.task,
+            token="ih-" + secrets.token_urlsafe(24),
+            lease_expires_at=now + lease_seconds,
+        )
+        for row in rows
+        if row.status == "running"
+    ]
+    if out:
+        await conn.execute(
+            update(attempts)
+            .where(attempts.c.id == bindparam("attempt"))
+            .values(
+                token_hash=bindparam("hash"), lease_expires_at=bindparam("until"), lease_seconds=lease_seconds
+            ),
+            [{"attempt": c.id, "hash": hash_token(c.token), "until": c.lease_expires_at} for c in out],
+        )
+    return out
 
 
 def _running(row: Any, now: float, refused: str) -> Any:

@@ -59,6 +59,9 @@ attempts = Table(
     Column("reward", Float),
     Column("failure_reason", Text),
     Column("info", JSON, nullable=False),
+    # The key the claimer chose for its claim request: a claim repeated with it (the answer was lost)
+    # gets these attempts again instead of new ones.
+    Column("claim_key", String(64), index=True),
     Index("ix_attempts_lease", "status", "lease_expires_at"),
 )
 

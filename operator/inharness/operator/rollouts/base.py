@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import secrets
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -239,6 +240,7 @@ class ClaimingController(ABC):
         self.leases: dict[str, tuple[ClaimedAttempt, Abort]] = {}
         self._lease_keeper: asyncio.Task[None] | None = None
         self._batch_heartbeats = True  # False once the gateway answered heartbeat-batch with a 404
+        self._claim_key: str | None = None  # see `claim_key`
         self._freed = asyncio.Event()  # an attempt task ended: a slot may be free
         self.stopping = asyncio.Event()  # `run` is ending: running attempts are being aborted
         limit = self.gateway_concurrency
@@ -370,13 +372,28 @@ class ClaimingController(ABC):
             if not task.cancelled() and task.exception() is not None:
                 self.log(f"pool {self.pool_name}: attempt task failed: {task.exception()!r}")
 
-    async def claim_one(self) -> ClaimedAttempt | None:
+    async def claim_one(self, *, keyed: bool = True) -> ClaimedAttempt | None:
+        """One attempt or None; `keyed=False` for claims sent concurrently (each would need its own key)."""
         try:
             async with self.gate:
-                return await self.gateway.claim(self.pool_name, self.lease_seconds)
+                attempt = await self.gateway.claim(
+                    self.pool_name, self.lease_seconds, self.claim_key() if keyed else None
+                )
         except (GatewayError, httpx.HTTPError) as exc:
             self.claim_failed(exc)
             return None
+        self.claim_answered()
+        return attempt
+
+    def claim_key(self) -> str:
+        """The next claim's key: the last one's while no answer came back, so that a claim the gateway
+        committed but could not answer (killed in between) is answered by the repeat, else a new one."""
+        if self._claim_key is None:
+            self._claim_key = secrets.token_hex(16)
+        return self._claim_key
+
+    def claim_answered(self) -> None:
+        self._claim_key = None
 
     def claim_failed(self, exc: Exception) -> None:
         """A claim request failed: the claim loop backs off (doubling, with jitter) until one passes.

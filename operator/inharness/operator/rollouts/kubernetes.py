@@ -345,7 +345,11 @@ class KubernetesRolloutController(ClaimingController):
         if self._batch_claims:
             try:
                 async with self.gate:
-                    return await self.gateway.claim_batch(self.pool_name, self.lease_seconds, n)
+                    claimed = await self.gateway.claim_batch(
+                        self.pool_name, self.lease_seconds, n, self.claim_key()
+                    )
+                self.claim_answered()
+                return claimed
             except GatewayError as exc:
                 if exc.status not in (404, 405):
                     self.claim_failed(exc)
@@ -358,7 +362,11 @@ class KubernetesRolloutController(ClaimingController):
         out: list[ClaimedAttempt] = []
         while len(out) < n:
             wave = min(n - len(out), self.claim_concurrency)
-            got = [a for a in await asyncio.gather(*(self.claim_one() for _ in range(wave))) if a is not None]
+            got = [
+                a
+                for a in await asyncio.gather(*(self.claim_one(keyed=False) for _ in range(wave)))
+                if a is not None
+            ]
             out += got
             if len(got) < wave:
                 break
