@@ -345,6 +345,94 @@ def _run(args: argparse.Namespace) -> int:
     )
 
 
+# --- inharness sft ------------------------------------------------------------------------------
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError("must be a positive number")
+    return value
+
+
+_positive_float.__name__ = "number"
+
+
+def _sft_arguments(p: argparse.ArgumentParser) -> None:
+    from inharness.trainer.warmup import WarmupConfig  # dataclasses only: --help stays fast
+
+    d = WarmupConfig()
+    p.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="RUN_DIR_OR_STORE",
+        help="where the recorded attempts are: a run directory (its gateway.db), a SQLite file, or a store "
+        "URL (sqlite:///PATH, postgresql://USER:PASSWORD@HOST:PORT/DB)",
+    )
+    p.add_argument("--model", required=True, help="the model directory to start from")
+    p.add_argument("--out", required=True, help="where the warmed-up model directory is written")
+    p.add_argument(
+        "--min-reward",
+        type=float,
+        default=None,
+        help="keep only rollouts whose reward is at least this (rejection sampling; default: every "
+        "succeeded rollout with a reward)",
+    )
+    p.add_argument("--steps", type=_at_least(1), default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--lr", type=_positive_float, default=d.learning_rate, help="peak learning rate")
+    p.add_argument("--batch-size", type=_at_least(1), default=d.batch_size, help="samples per step")
+    p.add_argument(
+        "--max-tokens-per-microbatch",
+        type=_at_least(1),
+        default=d.max_tokens_per_microbatch,
+        help="token budget of one forward pass (rows x longest row)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from inharness.gateway.store import StoreError
+    from inharness.trainer.warmup import NoWarmupData, WarmupConfig, sft_from
+
+    config = WarmupConfig(
+        steps=args.steps,
+        learning_rate=args.lr,
+        batch_size=args.batch_size,
+        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        seed=args.seed,
+    )
+    bar = tqdm(total=config.steps, desc="sft", dynamic_ncols=True, disable=None)
+
+    def progress(step: int, metrics: dict[str, float]) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tokens=int(metrics["tokens"]))
+
+    try:
+        summary = sft_from(
+            args.source,
+            Path(args.model),
+            Path(args.out),
+            config,
+            min_reward=args.min_reward,
+            log=tqdm.write,
+            progress=progress,
+        )
+    except (NoWarmupData, StoreError) as exc:
+        bar.close()
+        print(f"inharness sft: {exc}", file=sys.stderr)
+        return 2
+    bar.close()
+    print(
+        f"inharness sft: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f} over {config.steps} "
+        f"steps on {summary['samples']} samples of {summary['rollouts_kept']} rollouts in "
+        f"{summary['seconds']:.0f} s; model in {args.out} (sft_summary.json, sft_loss.png)"
+    )
+    return 0
+
+
 # --- inharness train ----------------------------------------------------------------------------
 
 
@@ -526,6 +614,15 @@ COMMANDS: tuple[Command | Group, ...] = (
         "train locally from a spec file (TrainingRun + RolloutPool + HarnessSpec)",
         _run_arguments,
         _run,
+    ),
+    Command(
+        "sft",
+        "supervised warm-up on recorded attempts (a teacher's or the policy's), read from a gateway store",
+        _sft_arguments,
+        _sft,
+        description="Keeps the succeeded rollouts (with --min-reward, those rewarded at least that), merges "
+        "each final attempt's calls as the RL loop does (loss on the model's tokens only) and writes a "
+        "model directory that spec.model.path can name.",
     ),
     Command(
         "train",

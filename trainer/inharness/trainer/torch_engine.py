@@ -539,6 +539,51 @@ class TorchTrainingEngine:
             "tokens": n_scored,
         }
 
+    def sft_step(
+        self,
+        samples: Sequence[Sample],
+        *,
+        learning_rate: float,
+        max_tokens_per_microbatch: int = 4096,
+        grad_clip: float | None = 1.0,
+    ) -> dict[str, float]:
+        """One supervised AdamW step on ``samples``: the token mean over every ``loss_mask`` token of
+        ``-log p(token | prefix)`` (temperature 1), the gradient accumulated over micro-batches by token
+        budget with the shared prefix of a micro-batch's rows computed once, as in `update`. What
+        `inharness sft` trains a recorded warm-up with. Returns ``loss`` (before the step), ``tokens``,
+        ``grad_norm`` (before clipping) and ``microbatches``."""
+        if not samples:
+            raise ValueError("sft_step needs at least one sample")
+        _check_samples(samples)
+        mask, _ = _target_space(samples)
+        total = float(mask.sum().item())
+        if total == 0:
+            raise ValueError("the samples have no tokens to train on (every loss_mask is 0)")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, n_micro = 0.0, 0
+        for rows, ids, lengths in self._microbatches(samples, max_tokens_per_microbatch):
+            m = mask[torch.tensor(rows, dtype=torch.long), : ids.shape[1] - 1].to(self.device)
+            lp, _ = self._forward(self.model, ids, lengths, 1.0)
+            loss = -(lp * m).sum() / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+            n_micro += 1
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if grad_clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+        self.optimizer.step()
+        self.step += 1
+        return {
+            "loss": loss_sum,
+            "tokens": total,
+            "grad_norm": float(grad_norm),
+            "microbatches": float(n_micro),
+        }
+
     def lr_at(self, step: int, config: UpdateConfig) -> float:
         """The learning rate of optimizer step ``step`` (0-based): a function of the step counter alone,
         so a resumed run continues the warm-up where the checkpoint left it."""
