@@ -32,6 +32,7 @@ def test_each_row_dispatches_to_its_own_handler() -> None:
         ("engine",): ["--model", "m"],
         ("operator", "render"): ["f.yaml"],
         ("run",): ["f.yaml"],
+        ("sft",): ["--from", "r", "--model", "m", "--out", "o"],
         ("train",): ["--config", "c", "--out", "o"],
     }
     for path, command in leaves():

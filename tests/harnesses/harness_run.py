@@ -41,6 +41,7 @@ def run_installed(
     factory: pytest.TempPathFactory,
     *,
     harness_env: dict[str, str] | None = None,
+    training: dict[str, Any] | None = None,
     timeout: float = 240,
 ) -> Run:
     """The example's run (a tiny model with a large context, the example's engine script), or a skip
@@ -48,7 +49,7 @@ def run_installed(
     require(binary, stamp)
     tmp = factory.mktemp(example)
     model = init_tiny(tmp / "model", seed=0, context=CONTEXT)
-    return run_example(example, tmp, model, harness_env=harness_env, timeout=timeout)
+    return run_example(example, tmp, model, harness_env=harness_env, training=training, timeout=timeout)
 
 
 def check_task_done(attempt: Path) -> None:
@@ -94,11 +95,13 @@ def run_example(
     model: Path,
     *,
     harness_env: dict[str, str] | None = None,
+    training: dict[str, Any] | None = None,
     timeout: float = 300,
 ) -> Run:
     """`inharness run` on a copy of examples/<example>/trainingrun.yaml whose model is `model` and whose
     harness runs in the example's folder, with the example's engine script; ``harness_env`` replaces or
-    adds variables of the HarnessSpec's env."""
+    adds variables of the HarnessSpec's env, ``training`` fields of the TrainingRun's spec (a dataset
+    path in it is taken as it is)."""
     folder = REPO / "examples" / example
     docs = list(yaml.safe_load_all((folder / "trainingrun.yaml").read_text()))
     for doc in docs:
@@ -109,6 +112,7 @@ def run_example(
         if doc["kind"] == "TrainingRun":
             doc["spec"]["model"]["path"] = str(model)
             doc["spec"]["dataset"]["path"] = str(folder / doc["spec"]["dataset"]["path"])
+            doc["spec"].update(training or {})
     spec = tmp / "run.yaml"
     spec.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     out = tmp / "out"

@@ -1,19 +1,27 @@
 """mini-SWE-agent 2.4.6 (PyPI), unmodified, under `inharness run` (examples/mini-swe-agent): Chat
 Completions through LiteLLM. The engine replays examples/mini-swe-agent/script.json (a bash tool call,
-then the submit command), so the agent really runs a command and sends its output back."""
+then the submit command) on the hello task, one step of one task, so the agent really runs a command and
+sends its output back; the example's RL demo (demo.py) has its own smoke, test_demo_swe.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 from harness_run import HARNESSES, Run, check_merged, check_recorded, check_task_done, run_installed
 
 MINI = HARNESSES / "mini-swe-agent" / "bin" / "mini"
+HELLO = Path(__file__).with_name("hello-task.jsonl")
+ONE_STEP = {"steps": 1, "batchSize": 1, "dataset": {"path": str(HELLO)}, "algorithm": {"groupSize": 2}}
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_installed(
-        "mini-swe-agent", MINI, ".cache/harnesses/mini-swe-agent/.installed-2.4.6", tmp_path_factory
+        "mini-swe-agent",
+        MINI,
+        ".cache/harnesses/mini-swe-agent/.installed-2.4.6",
+        tmp_path_factory,
+        training=ONE_STEP,
     )
 
 
