@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.out = args.out.resolve()  # the spec's overridden paths would resolve against the spec's folder
     base = init_tiny(args.out / "tiny", seed=0, context=CONTEXT)
     recorded = record_teacher(args.out, base, teacher["copies"], teacher["batch"])
     warm_up(recorded, base, teacher["sft_steps"])
