@@ -134,14 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def smoke_verdict(metrics: list[dict[str, object]], steps: int) -> int:
     """A smoke run passes when every step trained on samples and no rollout failed."""
-    problems = []
-    if [m["step"] for m in metrics] != list(range(steps)):
-        problems.append(f"steps {[m['step'] for m in metrics]}, expected 0..{steps - 1}")
-    if any(not m["samples"] for m in metrics):
-        problems.append("a step without samples")
-    failed = sum(int(m["failed_rollouts"]) for m in metrics)  # type: ignore[call-overload]
-    if failed:
-        problems.append(f"{failed} failed rollouts")
+    from inharness.trainer.report import smoke_problems
+
+    problems = smoke_problems(metrics, steps)
     print(f"\nsmoke: {'; '.join(problems) if problems else 'every step trained, no rollout failed'}")
     return 1 if problems else 0
 

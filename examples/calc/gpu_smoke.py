@@ -93,6 +93,8 @@ class PeakMemory:
 
 def summarize(metrics: list[dict[str, Any]], *, steps: int, seconds: float, peak_mib: int) -> dict[str, Any]:
     """The report of a finished smoke run from its metrics.jsonl rows (one per step)."""
+    from inharness.trainer.report import smoke_problems
+
     rows = []
     for m in metrics:
         rollout, update = float(m["time_rollout_s"]), float(m["time_update_s"])
@@ -114,14 +116,7 @@ def summarize(metrics: list[dict[str, Any]], *, steps: int, seconds: float, peak
     generated = sum(r["generated_tokens"] for r in rows)
     rollout_s = sum(r["time_rollout_s"] for r in rows)
     update_s = sum(r["time_update_s"] for r in rows)
-    problems = []
-    if [m["step"] for m in metrics] != list(range(steps)):
-        problems.append(f"steps {[m['step'] for m in metrics]}, expected 0..{steps - 1}")
-    if any(not m["samples"] for m in metrics):
-        problems.append("a step without samples")
-    failed = sum(int(m["failed_rollouts"]) for m in metrics)
-    if failed:
-        problems.append(f"{failed} failed rollouts")
+    problems = smoke_problems(metrics, steps)
     if seconds > LIMIT_SECONDS:
         problems.append(f"took {seconds:.0f} s, over the {LIMIT_SECONDS} s limit")
     return {

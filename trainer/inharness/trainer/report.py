@@ -40,6 +40,20 @@ def fifth_means(rewards: list[float]) -> tuple[float, float]:
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
 
+def smoke_problems(metrics: list[dict[str, Any]], steps: int) -> list[str]:
+    """What keeps a short run from counting as trained: a missing step, a step without samples, a
+    failed rollout (empty when there is none)."""
+    problems = []
+    if [m["step"] for m in metrics] != list(range(steps)):
+        problems.append(f"steps {[m['step'] for m in metrics]}, expected 0..{steps - 1}")
+    if any(not m["samples"] for m in metrics):
+        problems.append("a step without samples")
+    failed = sum(int(m["failed_rollouts"]) for m in metrics)
+    if failed:
+        problems.append(f"{failed} failed rollouts")
+    return problems
+
+
 def plot_rewards(path: Path, runs: dict[str, list[dict[str, Any]]], title: str) -> None:
     import matplotlib
 
