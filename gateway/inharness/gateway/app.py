@@ -11,10 +11,11 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -145,11 +146,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    for router in (openai_chat.router, openai_responses.router, anthropic_messages.router):
+    routers = (openai_chat.router, openai_responses.router, anthropic_messages.router, harness_api.router)
+    for router in routers:
         app.include_router(router)
-        app.include_router(router, prefix="/t/{token}")
-    app.include_router(harness_api.router)
-    app.include_router(harness_api.router, prefix="/t/{token}")
+        app.include_router(router, prefix="/t/{token}", dependencies=[Depends(_key_in_path)])
     app.include_router(control.router)
 
     app.add_exception_handler(Exception, _server_error)
@@ -211,6 +211,16 @@ _ERRORS = {
 }
 
 
+def _key_in_path(
+    token: Annotated[
+        str,
+        PathParam(description="the attempt's key, for a harness that takes a base URL but no API key"),
+    ],
+) -> None:
+    """Declares the `/t/{token}` prefix's parameter, so that the OpenAPI document names it (a client
+    generator or a fuzzer refuses a path parameter it does not know); `attempt_key` reads it."""
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document with the gateway's errors as it answers them: a body that fails validation
     is a 400 (FastAPI would promise 422), every error in its protocol's format (Anthropic's on
@@ -223,13 +233,14 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         schemas.pop(name, None)
     schemas.update(_ERROR_SCHEMAS)
     for path, operations in doc["paths"].items():
+        for op in operations.values():
+            op.get("responses", {}).pop("422", None)
         if path in ("/healthz", "/metrics") or path.endswith("/v1/models"):  # no key, no body
             continue
         ref = "AnthropicError" if "/v1/messages" in path else "Error"
         content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
         for op in operations.values():
             responses = op.setdefault("responses", {})
-            responses.pop("422", None)
             for status, what in _ERRORS.items():
                 responses.setdefault(status, {"description": what, "content": content})
     app.openapi_schema = doc

@@ -378,5 +378,10 @@ class CallService:
     def engine_error(self, exc: NoEngineAvailable | EngineRejected) -> APIError:
         self.metrics.engine_errors.inc()
         if isinstance(exc, EngineRejected):
-            return APIError(502, f"the inference engine refused the request: {exc}", code="engine_rejected")
+            # A 400/422 is about the request (a sampling value the engine cannot honour): the harness's
+            # 400, not retried, so that it does not retry it either. Any other 4xx (the engine refused the
+            # gateway's key, does not know the model) is the deployment's fault: a 502.
+            status = 400 if exc.status in (400, 422) else 502
+            message = f"the inference engine refused the request: {exc}"
+            return APIError(status, message, code="engine_rejected")
         return APIError(503, str(exc), code="engine_unavailable")
