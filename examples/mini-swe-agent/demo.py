@@ -45,10 +45,9 @@ def record_teacher(out: Path, base: Path, copies: int, batch: int) -> Path:
     from inharness.engine.script import SCRIPT_ENV
     from inharness.run import run_file
 
-    tasks = family.teacher_tasks(copies, seed=0)
-    family.write_jsonl(out / "teacher-tasks.jsonl", tasks)
+    family.main(["--teacher", str(out), "--copies", str(copies)])
+    tasks = family.read_jsonl(out / "teacher-tasks.jsonl")
     script = out / "teacher-script.json"
-    script.write_text(json.dumps(family.teacher_script(tasks), indent=1))
     run = out / "teacher"
     shutil.rmtree(run, ignore_errors=True)
     overrides = {

@@ -92,10 +92,28 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--write", action="store_true", help=f"write {TASKS_FILE.name} ({TRAIN_TASKS} tasks)")
+    p.add_argument(
+        "--teacher",
+        type=Path,
+        metavar="DIR",
+        help="write teacher-tasks.jsonl and their engine script, teacher-script.json, to DIR",
+    )
+    p.add_argument("--copies", type=int, default=2, help="--teacher: tasks per (word, answer) pair")
     args = p.parse_args(argv)
+    if args.teacher:
+        args.teacher.mkdir(parents=True, exist_ok=True)
+        tasks = teacher_tasks(args.copies, seed=0)
+        write_jsonl(args.teacher / "teacher-tasks.jsonl", tasks)
+        (args.teacher / "teacher-script.json").write_text(json.dumps(teacher_script(tasks), indent=1))
+        print(f"wrote {len(tasks)} teacher tasks and their script to {args.teacher}")
+        return 0
     rows = make_tasks(TRAIN_TASKS, seed=0)
     if args.write:
         print(f"wrote {write_jsonl(TASKS_FILE, rows)}")
