@@ -85,7 +85,7 @@ demo-swe: $(STAMP) $(MINI_SWE_STAMP)
 test: $(STAMP) $(CHECKOV_STAMP) $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -106,9 +106,15 @@ async def test_the_training_loop_reports_its_step_state_and_config(gateway: Serv
     assert out.message == "dataset gone" and out.reward_mean is None and out.config_sha256 == "f" * 64
 
 
-async def test_an_undelivered_report_does_not_stop_training(tmp_path: Path) -> None:
+async def test_an_undelivered_report_does_not_stop_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No gateway listens: the report returns (it would raise otherwise) and says it was not delivered."""
     async with GatewayClient(f"http://127.0.0.1:{free_port()}", ADMIN, timeout=2) as gw:
-        await _loop(gw, tmp_path, step=1).report("running", reward_mean=0.5)
+        with caplog.at_level("WARNING", logger="inharness.trainer"):
+            await _loop(gw, tmp_path, step=1).report("running", reward_mean=0.5)
+    [record] = [r for r in caplog.records if "not delivered" in r.getMessage()]
+    assert "step 1" in record.getMessage()
 
 
 async def test_a_starting_trainer_reports_its_ray_nodes_without_touching_its_step(gateway: Server) -> None:
