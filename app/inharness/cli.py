@@ -404,7 +404,7 @@ def _sft(args: argparse.Namespace) -> int:
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         seed=args.seed,
     )
-    bar = tqdm(total=config.steps, desc="sft", dynamic_ncols=True, disable=None)
+    bar = tqdm(total=config.steps, desc="sft", dynamic_ncols=True)  # shown in logs too, as `run`'s bars
 
     def progress(step: int, metrics: dict[str, float]) -> None:
         bar.update(1)
