@@ -156,6 +156,37 @@ def test_the_sft_loss_is_the_mean_nll_of_the_masked_in_tokens_and_learning_lower
     assert last["loss"] < 0.5 * first["loss"]
 
 
+def test_a_frozen_context_gives_the_same_loss_with_the_prompt_outside_the_graph(tiny_model: Path) -> None:
+    """`context_gradient=False`: the loss is the plain pass's (rows of different prompt lengths in one
+    micro-batch), but the positions before the first learnt token run without gradient: only the turns
+    and what follows them are in the autograd graph, so the backward pass costs what they cost."""
+    r = Recorded(tiny_model)
+    turns = r.tool_call + r.tool_output + r.answer
+    learnt = [1] * len(r.tool_call) + [0] * len(r.tool_output) + [1] * len(r.answer)
+    prompts = [r.prompt, r.prompt[:1] + r.prompt]  # the second row's learnt turns start one later
+    samples = [
+        Sample(f"ro{k}", "g", [1], p + turns, [0] * len(p) + learnt, [0.0] * len(p + turns), [0], 1.0, len(p))
+        for k, p in enumerate(prompts)
+    ]
+    width = len(prompts[1] + turns)
+    seen: dict[bool, list[tuple[int, bool]]] = {}
+    losses: dict[bool, float] = {}
+    for context_gradient in (True, False):
+        engine = TorchTrainingEngine(tiny_model, learning_rate=1e-3, seed=0)
+        passes = seen[context_gradient] = []
+        hook = engine.model.get_input_embeddings().register_forward_hook(
+            lambda _m, _i, out, passes=passes: passes.append((out.shape[1], out.requires_grad))
+        )
+        losses[context_gradient] = engine.sft_step(
+            samples, learning_rate=1e-3, context_gradient=context_gradient
+        )["loss"]
+        hook.remove()
+    assert losses[False] == pytest.approx(losses[True], rel=1e-5)
+    start = len(r.prompt) - 1  # the logits there score the first learnt token of the first row
+    assert seen[False] == [(start, False), (width - start, True)]
+    assert all(tracked for _, tracked in seen[True]) and sum(n for n, _ in seen[True]) >= width
+
+
 def _sft(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "inharness.cli", "sft", *args]
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300, env=os.environ)

@@ -142,6 +142,21 @@ def _logits(model: PreTrainedModel, ids: Tensor, prefix: int) -> tuple[Tensor | 
     return head, model(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits
 
 
+def _logprobs_after_frozen_context(model: PreTrainedModel, ids: Tensor, start: int) -> Tensor:
+    """Logprobs ``[b, W - start - 1]`` of ``ids[:, start + 1:]`` (target columns ``start..W-2``), with the
+    context ``ids[:, :start]`` run without gradient into a KV cache and only ``ids[:, start:]`` in the graph.
+
+    The values are those of the plain pass (the same causal computation, cut in two as the inference
+    engine extends a prompt); the gradient is not: it reaches the weights only through the positions
+    from ``start`` on, never through the context's hidden states, keys and values."""
+    cache = DynamicCache(config=model.config)
+    if start > 0:
+        with torch.no_grad():
+            model(input_ids=ids[:, :start], past_key_values=cache, use_cache=True)
+    x = model(input_ids=ids[:, start:], past_key_values=cache, use_cache=True).logits[:, :-1].float()
+    return x.gather(-1, ids[:, start + 1 :].unsqueeze(-1)).squeeze(-1) - x.logsumexp(dim=-1)
+
+
 def _scaled(logits: Tensor, temperature: float) -> Tensor:
     """float32 ``logits / temperature``; temperature 0 (greedy) and 1 leave the logits as they are."""
     x = logits.float()
@@ -546,12 +561,18 @@ class TorchTrainingEngine:
         learning_rate: float,
         max_tokens_per_microbatch: int = 4096,
         grad_clip: float | None = 1.0,
+        context_gradient: bool = True,
     ) -> dict[str, float]:
         """One supervised AdamW step on ``samples``: the token mean over every ``loss_mask`` token of
         ``-log p(token | prefix)`` (temperature 1), the gradient accumulated over micro-batches by token
         budget with the shared prefix of a micro-batch's rows computed once, as in `update`. What
         `inharness sft` trains a recorded warm-up with. Returns ``loss`` (before the step), ``tokens``,
-        ``grad_norm`` (before clipping) and ``microbatches``."""
+        ``grad_norm`` (before clipping) and ``microbatches``.
+
+        ``context_gradient=False`` runs each micro-batch's context up to its first learnt token without
+        gradient (`_logprobs_after_frozen_context`): the same loss, a gradient through the learnt turns
+        and what follows them only. A harness's prompt is most of a sample (mini-SWE-agent: 1.8k of 1.9k
+        tokens), so a step costs about a forward pass of the prompt instead of a forward and backward."""
         if not samples:
             raise ValueError("sft_step needs at least one sample")
         _check_samples(samples)
@@ -563,7 +584,13 @@ class TorchTrainingEngine:
         loss_sum, n_micro = 0.0, 0
         for rows, ids, lengths in self._microbatches(samples, max_tokens_per_microbatch):
             m = mask[torch.tensor(rows, dtype=torch.long), : ids.shape[1] - 1].to(self.device)
-            lp, _ = self._forward(self.model, ids, lengths, 1.0)
+            if context_gradient:
+                lp, _ = self._forward(self.model, ids, lengths, 1.0)
+            else:
+                start = int(m.any(dim=0).nonzero()[0]) if m.any() else ids.shape[1] - 1
+                with self._autocast():
+                    lp = _logprobs_after_frozen_context(self.model, ids.to(self.device), start)
+                m = m[:, start:]
             loss = -(lp * m).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())

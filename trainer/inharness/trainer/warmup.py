@@ -5,9 +5,11 @@ token-exact: the harness's system prompt, its tools, its tool-output format, the
 warm-up reads the finished rollouts' final attempts (the export), keeps those whose reward is at least
 `min_reward` (rejection sampling), merges each into samples with the adapter the RL loop uses
 (`samples.build_samples`: the loss on the model's own tokens only; prompts, tool results and user turns
-are context), and trains on them with the torch engine's token-budget micro-batches and shared-prefix
-forward (`TorchTrainingEngine.sft_step`). The result is a model directory that `spec.model.path` names,
-with `sft_summary.json` and `sft_loss.png` beside the weights.
+are context), and trains on them with the torch engine's token-budget micro-batches
+(`TorchTrainingEngine.sft_step`), by default with the prompt before a micro-batch's first learnt token
+run without gradient: a harness's prompt is most of every sample, and the warm-up teaches the turns.
+The result is a model directory that `spec.model.path` names, with `sft_summary.json` and
+`sft_loss.png` beside the weights.
 """
 
 import asyncio
@@ -116,6 +118,9 @@ class WarmupConfig:
     batch_size: int = 8  # samples per optimizer step
     max_tokens_per_microbatch: int = 16384
     seed: int = 0
+    # False: the prompt up to the first learnt token runs without gradient (TorchTrainingEngine.sft_step).
+    # On mini-SWE-agent's recordings that was 3.5x cheaper a step and reached a loss of 0.02 in 150 steps.
+    context_gradient: bool = False
 
 
 def warm_up(
@@ -148,6 +153,7 @@ def warm_up(
             [selection.samples[i] for i in rows],
             learning_rate=lr,
             max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+            context_gradient=config.context_gradient,
         )
         losses.append(metrics["loss"])
         if progress is not None:
