@@ -47,8 +47,7 @@ def record_teacher(out: Path, base: Path, copies: int, batch: int) -> Path:
     from inharness.engine.script import SCRIPT_ENV
     from inharness.run import run_file
 
-    family.main(["--teacher", str(out), "--copies", str(copies)])
-    tasks = family.read_jsonl(out / "teacher-tasks.jsonl")
+    tasks = family.write_teacher(out, copies)
     script = out / "teacher-script.json"
     run = out / "teacher"
     shutil.rmtree(run, ignore_errors=True)

@@ -92,8 +92,13 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+def write_teacher(out: Path, copies: int) -> list[dict[str, Any]]:
+    """`teacher_tasks` into out/teacher-tasks.jsonl, their `teacher_script` into out/teacher-script.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = teacher_tasks(copies, seed=0)
+    write_jsonl(out / "teacher-tasks.jsonl", tasks)
+    (out / "teacher-script.json").write_text(json.dumps(teacher_script(tasks), indent=1))
+    return tasks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,10 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copies", type=int, default=2, help="--teacher: tasks per (word, answer) pair")
     args = p.parse_args(argv)
     if args.teacher:
-        args.teacher.mkdir(parents=True, exist_ok=True)
-        tasks = teacher_tasks(args.copies, seed=0)
-        write_jsonl(args.teacher / "teacher-tasks.jsonl", tasks)
-        (args.teacher / "teacher-script.json").write_text(json.dumps(teacher_script(tasks), indent=1))
+        tasks = write_teacher(args.teacher, args.copies)
         print(f"wrote {len(tasks)} teacher tasks and their script to {args.teacher}")
         return 0
     rows = make_tasks(TRAIN_TASKS, seed=0)

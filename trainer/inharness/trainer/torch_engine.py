@@ -142,9 +142,9 @@ def _logits(model: PreTrainedModel, ids: Tensor, prefix: int) -> tuple[Tensor | 
     return head, model(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True).logits
 
 
-def _logprobs_after_frozen_context(model: PreTrainedModel, ids: Tensor, start: int) -> Tensor:
-    """Logprobs ``[b, W - start - 1]`` of ``ids[:, start + 1:]`` (target columns ``start..W-2``), with the
-    context ``ids[:, :start]`` run without gradient into a KV cache and only ``ids[:, start:]`` in the graph.
+def _logits_after_frozen_context(model: PreTrainedModel, ids: Tensor, start: int) -> Tensor:
+    """Raw logits ``[b, W - start, V]`` of ``ids[:, start:]``, with the context ``ids[:, :start]`` run
+    without gradient into a KV cache and only ``ids[:, start:]`` in the graph.
 
     The values are those of the plain pass (the same causal computation, cut in two as the inference
     engine extends a prompt); the gradient is not: it reaches the weights only through the positions
@@ -153,8 +153,7 @@ def _logprobs_after_frozen_context(model: PreTrainedModel, ids: Tensor, start: i
     if start > 0:
         with torch.no_grad():
             model(input_ids=ids[:, :start], past_key_values=cache, use_cache=True)
-    x = model(input_ids=ids[:, start:], past_key_values=cache, use_cache=True).logits[:, :-1].float()
-    return x.gather(-1, ids[:, start + 1 :].unsqueeze(-1)).squeeze(-1) - x.logsumexp(dim=-1)
+    return model(input_ids=ids[:, start:], past_key_values=cache, use_cache=True).logits
 
 
 def _scaled(logits: Tensor, temperature: float) -> Tensor:
@@ -570,7 +569,7 @@ class TorchTrainingEngine:
         ``grad_norm`` (before clipping) and ``microbatches``.
 
         ``context_gradient=False`` runs each micro-batch's context up to its first learnt token without
-        gradient (`_logprobs_after_frozen_context`): the same loss, a gradient through the learnt turns
+        gradient (`_logits_after_frozen_context`): the same loss, a gradient through the learnt turns
         and what follows them only. A harness's prompt is most of a sample (mini-SWE-agent: 1.8k of 1.9k
         tokens), so a step costs about a forward pass of the prompt instead of a forward and backward."""
         if not samples:
@@ -588,8 +587,10 @@ class TorchTrainingEngine:
                 lp, _ = self._forward(self.model, ids, lengths, 1.0)
             else:
                 start = int(m.any(dim=0).nonzero()[0]) if m.any() else ids.shape[1] - 1
+                tail = ids[:, start:].to(self.device)
                 with self._autocast():
-                    lp = _logprobs_after_frozen_context(self.model, ids.to(self.device), start)
+                    logits = _logits_after_frozen_context(self.model, ids.to(self.device), start)
+                lp, _ = _scores(None, logits, tail, 1.0, torch.zeros_like(m[:, start:], dtype=torch.bool))
                 m = m[:, start:]
             loss = -(lp * m).sum() / total
             loss.backward()
