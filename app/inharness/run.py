@@ -233,6 +233,8 @@ class _LocalRun:
             argv += ["--port", str(gport), "--admin-token", admin]
             argv += ["--max-attempts", str(pool.spec.max_attempts_per_rollout)]
             argv += ["--bodies", self.specs.training_run.spec.gateway.store.bodies]
+            generation = self.specs.training_run.spec.generation  # the trainer scores samples at it
+            argv += ["--temperature", str(generation.temperature), "--max-tokens", str(generation.max_tokens)]
             return ServerProcess.inharness(
                 argv, port=gport, log=rd.logs / "gateway.log", health="/healthz", pass_fds=keep_lock
             )

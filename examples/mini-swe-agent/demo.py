@@ -2,7 +2,7 @@
 
 1. A teacher's recording: `inharness run trainingrun.yaml` on teacher tasks with the engine in scripted
    mode (family.teacher_script), so the real harness sends its real requests and runs a well-formed
-   `echo WORD > answer.txt`, WORD drawn independently of the task (family.py says why);
+   `echo ANSWER > answer.txt`, ANSWER cycling through the four whatever the task (family.py says why);
 2. `inharness sft --from` that run's store: a random-init tiny model learns the harness's tool-call
    format and how to finish, into examples/mini-swe-agent/model (the spec's model.path);
 3. `inharness run trainingrun.yaml`: RL with every completion sampled from the model being trained;
@@ -35,10 +35,10 @@ MODEL = HERE / "model"
 GOAL = 0.3
 LIMIT_SECONDS = 20 * 60
 CONTEXT = 8192  # mini's first prompt is 1.8k tokens of the tiny tokenizer; its step limit keeps it short
-# 16 tasks (one per word and answer), one recording step; 150 sft steps of 4 samples reach a loss of ~0.02
-# with the prompt outside the graph (inharness sft's default), ~140 s on 2 cores
-TEACHER = {"copies": 1, "batch": 16, "sft_steps": 150, "sft_batch": 4}
-SMOKE_TEACHER = {"copies": 1, "batch": 16, "sft_steps": 4, "sft_batch": 4}
+# 8 rows (2 per task), one recording step of 16 attempts: each word with each answer once; sft with the
+# prompt outside the graph (inharness sft's default)
+TEACHER = {"copies": 2, "batch": 8, "sft_steps": 150, "sft_batch": 4}
+SMOKE_TEACHER = {"copies": 2, "batch": 8, "sft_steps": 4, "sft_batch": 4}
 HARNESS = {"harness": "mini-SWE-agent 2.4.6", "protocol": "openai.chat (Chat Completions, via LiteLLM)"}
 
 

@@ -1,20 +1,24 @@
-"""The task family of the mini-SWE-agent demo: write the opposite of a word into answer.txt.
+"""The task family of the mini-SWE-agent demo: read a word from the workspace, write its opposite.
 
-"Ticket 417: write the opposite of the word hot into answer.txt, then submit." The agent must run a
-shell command that leaves `cold` in answer.txt in its own workspace; grade.py reads that file, nothing
-the agent says about itself. Four words (hot, up, yes, left) and four answers (cold, down, no, right).
+"Write the opposite of the word in word.txt into answer.txt, then submit." Each attempt's workspace
+holds word.txt (one of hot, up, yes, left; run.sh writes the task's `files` into it); the agent must run
+shell commands that leave the opposite (cold, down, no, right) in answer.txt. grade.py reads that file,
+nothing the agent says about itself, and the expected content is never in the workspace or the prompt.
 
-Why a 4M-parameter model can learn it inside an unmodified mini-SWE-agent: everything but one word of
-its 1.8k-token prompt is the same in every task (the ticket number is noise it must learn to ignore),
-and the answer is one of four words in a command whose shape never changes. The teacher
-(`teacher_script`) is the engine's scripted mode driving the real harness: it writes a well-formed
-`echo WORD > answer.txt` and then submits, but with WORD drawn from the four answers independently of
-the task, each word with each answer equally often. The warm-up (`inharness sft` on those recordings)
-therefore teaches the tool-call format, the file name and how to finish, and leaves a success rate of
-about one in four: which answer goes with which word only the reward can teach.
+Why a 4M-parameter model can learn it inside an unmodified mini-SWE-agent: the task's text is the same
+in every task, so mini's 1.8k-token prompt is too; the word arrives as the output of the agent's own
+`cat word.txt`, which mini sends back as the last message, a few tokens before the model writes the
+answer. The teacher (`teacher_script`) is the engine's scripted mode driving the real harness: it reads
+word.txt, writes a well-formed `echo ANSWER > answer.txt` and then submits, but its ANSWER cycles through
+the four answers whatever the word (a `cycle` turn of the engine's script), so each word is recorded
+with each answer equally often. The warm-up (`inharness sft` on those recordings) therefore teaches the
+tool-call format, reading the file, the answer file's name and how to finish, and leaves a success rate
+of one in four: which answer goes with which word only the reward can teach.
 
-The teacher's tickets (100-499) and the training tasks' (500-999) do not overlap, so the warm-up
-cannot have memorised an answer per ticket.
+Two earlier shapes did not warm up (docs/results.md, make demo-swe runs 2-4): the word in the task's
+text ("... the opposite of the word hot ..."), with or without a ticket number, sits ~1.7k tokens
+before the answer, behind mini's instructions; after 150-300 sft steps the warmed model, sampled at
+temperature 0.3, still named the wrong word in 9-12 of 32 attempts of its own training prompts.
 
 `python examples/mini-swe-agent/family.py --write` regenerates tasks.jsonl.
 """
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,33 +36,26 @@ TASKS_FILE = HERE / "tasks.jsonl"
 OPPOSITES = {"hot": "cold", "up": "down", "yes": "no", "left": "right"}
 ANSWERS = tuple(OPPOSITES.values())
 ANSWER_FILE = "answer.txt"
-TRAIN_TICKETS = range(500, 1000)
-TEACHER_TICKETS = range(100, 500)
-TRAIN_TASKS = 128
+WORD_FILE = "word.txt"
+TEXT = f"Write the opposite of the word in {WORD_FILE} into {ANSWER_FILE}, then submit."
 SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-SWE-agent's own end-of-task marker
 
 
-def task(ticket: int, word: str) -> dict[str, Any]:
-    """One task: the text the agent sees, and the file and content grade.py expects (never shown to it)."""
-    text = f"Ticket {ticket}: write the opposite of the word {word} into {ANSWER_FILE}, then submit."
-    return {"task": text, "file": ANSWER_FILE, "content": OPPOSITES[word]}
+def task(word: str) -> dict[str, Any]:
+    """One task: the text the agent sees, the workspace's files (run.sh writes them), and the file and
+    content grade.py expects (never shown to the agent)."""
+    return {"task": TEXT, "files": {WORD_FILE: f"{word}\n"}, "file": ANSWER_FILE, "content": OPPOSITES[word]}
 
 
-def make_tasks(n: int, seed: int, tickets: range = TRAIN_TICKETS) -> list[dict[str, Any]]:
-    """`n` tasks on distinct tickets, the words in equal shares (up to one) in a seeded order."""
-    rng = random.Random(f"opposites-{seed}")
-    words = [w for _ in range(n // len(OPPOSITES) + 1) for w in OPPOSITES][:n]
-    rng.shuffle(words)
-    return [task(t, w) for t, w in zip(rng.sample(tickets, n), words, strict=True)]
+def make_tasks() -> list[dict[str, Any]]:
+    """The four tasks, one per word: the same text, a different word.txt."""
+    return [task(w) for w in OPPOSITES]
 
 
-def teacher_tasks(copies: int, seed: int) -> list[dict[str, Any]]:
-    """`copies` tasks per (word, answer) pair, on teacher tickets; `teacher_script` gives each task its pair's
-    answer, so the recorded answers are independent of the words."""
-    rng = random.Random(f"opposites-teacher-{seed}")
-    pairs = [(w, a) for w in OPPOSITES for a in ANSWERS for _ in range(copies)]
-    tickets = rng.sample(TEACHER_TICKETS, len(pairs))
-    return [{**task(t, w), "teacher_answer": a} for t, (w, a) in zip(tickets, pairs, strict=True)]
+def teacher_tasks(copies: int) -> list[dict[str, Any]]:
+    """`copies` rows of each task: with the recording's groups of 2 a word gets ``2 * copies`` attempts,
+    so an even `copies` records each of the four answers equally often per word (`teacher_script`)."""
+    return [t for _ in range(copies) for t in make_tasks()]
 
 
 def _bash(thought: str, command: str) -> str:
@@ -67,24 +63,32 @@ def _bash(thought: str, command: str) -> str:
     return f"{thought}\n<tool_call>\n{call}\n</tool_call>"
 
 
-def teacher_script(tasks: list[dict[str, Any]]) -> dict[str, Any]:
-    """An engine script (inharness/engine/script.py) for `teacher_tasks`: per task (matched on its text),
-    write its teacher answer and show the file, then submit."""
-    return {
-        "scripts": [
-            {
-                "when": t["task"],
-                "turns": [
-                    _bash(
-                        "I will write the answer.",
-                        f"echo {t['teacher_answer']} > {ANSWER_FILE} && cat {ANSWER_FILE}",
-                    ),
-                    _bash("The file is written. Submitting.", f"echo {SUBMIT}"),
-                ],
-            }
-            for t in tasks
-        ]
-    }
+def observation(output: str) -> str:
+    """How mini's prompt shows a command's output (its tool message, JSON, as the decoded prompt holds it)."""
+    return json.dumps({"returncode": 0, "output": output}, indent=2)
+
+
+def teacher_script() -> dict[str, Any]:
+    """An engine script (inharness/engine/script.py): read word.txt; then, per word (matched on the
+    command's output in the prompt), write one of the four answers, the next in turn for each attempt of
+    that word; then submit. The prompts of all tasks are the same until word.txt has been read."""
+    read = _bash(f"I will read {WORD_FILE}.", f"cat {WORD_FILE}")
+    per_word = [
+        {
+            "when": observation(f"{word}\n"),
+            "turns": [
+                read,
+                {
+                    "cycle": [
+                        _bash(f"The word is {word}.", f"echo {answer} > {ANSWER_FILE}") for answer in ANSWERS
+                    ]
+                },
+                _bash("Submitting.", f"echo {SUBMIT}"),
+            ],
+        }
+        for word in OPPOSITES
+    ]
+    return {"scripts": [*per_word, {"turns": [read]}]}
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -93,34 +97,34 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def write_teacher(out: Path, copies: int) -> list[dict[str, Any]]:
-    """`teacher_tasks` into out/teacher-tasks.jsonl, their `teacher_script` into out/teacher-script.json."""
+    """`teacher_tasks` into out/teacher-tasks.jsonl, `teacher_script` into out/teacher-script.json."""
     out.mkdir(parents=True, exist_ok=True)
-    tasks = teacher_tasks(copies, seed=0)
+    tasks = teacher_tasks(copies)
     write_jsonl(out / "teacher-tasks.jsonl", tasks)
-    (out / "teacher-script.json").write_text(json.dumps(teacher_script(tasks), indent=1))
+    (out / "teacher-script.json").write_text(json.dumps(teacher_script(), indent=1))
     return tasks
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help=f"write {TASKS_FILE.name} ({TRAIN_TASKS} tasks)")
+    p.add_argument("--write", action="store_true", help=f"write {TASKS_FILE.name} (the four tasks)")
     p.add_argument(
         "--teacher",
         type=Path,
         metavar="DIR",
         help="write teacher-tasks.jsonl and their engine script, teacher-script.json, to DIR",
     )
-    p.add_argument("--copies", type=int, default=2, help="--teacher: tasks per (word, answer) pair")
+    p.add_argument("--copies", type=int, default=2, help="--teacher: rows per task (even: balanced answers)")
     args = p.parse_args(argv)
     if args.teacher:
         tasks = write_teacher(args.teacher, args.copies)
         print(f"wrote {len(tasks)} teacher tasks and their script to {args.teacher}")
         return 0
-    rows = make_tasks(TRAIN_TASKS, seed=0)
+    rows = make_tasks()
     if args.write:
         print(f"wrote {write_jsonl(TASKS_FILE, rows)}")
     else:
-        print("\n".join(json.dumps(r) for r in rows[:5]))
+        print("\n".join(json.dumps(r) for r in rows))
     return 0
 
 

@@ -5,6 +5,7 @@
 # (traj.json) as it would against OpenAI. The agent gets the task's text only: the task's JSON (which
 # names the expected content) and the result file's path are taken out of its environment. Its own
 # documented step limit ends an agent that never submits; the spec's timeoutSeconds ends one that hangs.
+# The task's `files` (family.py) are written into the workspace first.
 # Whatever it did, grade.py then reads the workspace for the reward.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
@@ -13,6 +14,11 @@ result=$INHARNESS_RESULT_FILE
 attempt=$(dirname "$result")
 mkdir -p "$attempt/workspace" "$attempt/mswea-config"
 text=$(python3 -c 'import json, os; print(json.loads(os.environ["INHARNESS_TASK"])["task"])')
+python3 -c '
+import json, os, pathlib, sys
+for name, content in json.loads(os.environ["INHARNESS_TASK"]).get("files", {}).items():
+    (pathlib.Path(sys.argv[1]) / name).write_text(content)
+' "$attempt/workspace"
 cd "$attempt/workspace"
 status=0
 env -u INHARNESS_TASK -u INHARNESS_RESULT_FILE MSWEA_GLOBAL_CONFIG_DIR="$attempt/mswea-config" \

@@ -116,3 +116,18 @@ def test_a_bad_script_is_refused_with_its_place(tmp_path: Path, model_dir: Path)
     bad.write_text(json.dumps({"scripts": [{"when": "", "turns": ["x"]}]}))
     with pytest.raises(ValueError, match=r"scripts\[0\].when"):
         Scripts.load(bad, tokenizer, 3072)
+
+
+def test_a_cycle_turn_gives_each_alternative_in_turn_to_the_same_prompt(model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    path = model_dir.parent / "cycle.json"
+    path.write_text(json.dumps({"scripts": [{"turns": [{"cycle": ["cold", "down", "no"]}, "Done."]}]}))
+    scripts = Scripts.load(path, tokenizer, int(tokenizer.vocab_size))
+    first = prompt(model_dir, ("user", "the opposite of hot"))
+    answers = [tokenizer.decode(scripts.tokens_for(first), skip_special_tokens=True) for _ in range(7)]
+    assert answers == ["cold", "down", "no", "cold", "down", "no", "cold"]
+    later = prompt(model_dir, ("user", "the opposite of hot"), ("assistant", "cold"), ("user", "ok"))
+    assert tokenizer.decode(scripts.tokens_for(later), skip_special_tokens=True) == "Done."
+    path.write_text(json.dumps({"scripts": [{"turns": [{"cycle": []}]}]}))
+    with pytest.raises(ValueError, match=r"scripts\[0\].turns\[0\].cycle"):
+        Scripts.load(path, tokenizer, 3072)

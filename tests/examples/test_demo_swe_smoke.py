@@ -43,7 +43,7 @@ def test_the_swe_demo_records_warms_up_and_trains_through_mini_swe_agent(tmp_pat
 
     demo = root / "runs" / "mini-swe-agent-demo"
     recorded = [json.loads(x) for x in (demo / "teacher" / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["failed_rollouts"] == 0 and m["calls"] == 2 * m["rollouts"] for m in recorded)
+    assert all(m["failed_rollouts"] == 0 and m["calls"] == 3 * m["rollouts"] for m in recorded)
     warmed = json.loads((root / "examples" / "mini-swe-agent" / "model" / "sft_summary.json").read_text())
     assert warmed["rollouts_kept"] == sum(m["rollouts"] for m in recorded) and warmed["skipped"] == {}
     assert warmed["loss_last"] < warmed["loss_first"]

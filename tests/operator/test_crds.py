@@ -574,6 +574,9 @@ CEL_REJECTS: list[tuple[str, str, dict[tuple[str, ...], Any], dict[tuple[str, ..
       ("spec", "scheduling"): {"mode": "async", "maxStaleness": 1}}, None,
      "scheduling.mode async needs inference engines of their own; with trainer.inference vllm they "
      "share the trainer's GPUs: use sync or collocated-async"),
+    ("frozen-context-on-verl", "TrainingRun",
+     {("spec", "trainer"): {"engine": "verl"}, ("spec", "algorithm", "contextGradient"): False}, None,
+     "algorithm.contextGradient false needs trainer.engine torch: verl's actor takes the full backward"),
     ("gateway-replicas-on-sqlite", "TrainingRun", {("spec", "gateway"): {"replicas": 2}}, None,
      "replicas above 1 need store.urlSecret: SQLite on a ReadWriteOnce claim serves one gateway"),
     ("gateway-replicas-on-a-null-secret", "TrainingRun",

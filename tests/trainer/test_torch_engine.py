@@ -569,3 +569,28 @@ def test_shared_prefix_bfloat16_gradient_is_close_to_plain(
     diff = torch.cat([(shared[n] - plain[n]).flatten() for n in plain]).norm()
     assert diff < 0.02 * torch.cat([g.flatten() for g in plain.values()]).norm()
     assert shared_metrics["entropy"] == pytest.approx(plain_metrics["entropy"], rel=1e-2)
+
+
+def test_a_frozen_context_update_has_the_full_updates_loss_with_the_prompt_outside_the_graph(
+    model_dir: Path, samples: list[Sample]
+) -> None:
+    """``context_gradient=False``: the same loss, ratios and KL as the full backward (one step, so both
+    start from the same weights), with the positions before the micro-batch's first generated token run
+    without gradient; the step still moves the policy."""
+    metrics, graphs = {}, {}
+    for context_gradient in (True, False):
+        engine = TorchTrainingEngine(model_dir, learning_rate=1e-3, kl_reference=True)
+        before = _params(engine)
+        seen = graphs[context_gradient] = []
+        engine.model.get_input_embeddings().register_forward_hook(
+            lambda _m, _i, out, seen=seen: seen.append((out.shape[1], out.requires_grad))
+        )
+        config = UpdateConfig(kl_coef=0.1, context_gradient=context_gradient)
+        metrics[context_gradient] = engine.update(samples, config)
+        assert any(not torch.equal(p, before[n]) for n, p in _params(engine).items())
+    for key in ("loss", "pg_loss", "kl", "entropy", "ratio_mean", "logprob_mismatch"):
+        assert metrics[False][key] == pytest.approx(metrics[True][key], rel=1e-5, abs=1e-6), key
+    first = min(s.loss_mask.index(1) for s in samples) - 1  # the logits there score the first one
+    width = max(len(s.input_ids) for s in samples)
+    assert graphs[False] == [(first, False), (width - first, True)]
+    assert all(tracked for _, tracked in graphs[True])

@@ -22,11 +22,17 @@ prompt already holds (``<|im_start|>assistant`` markers before the generation pr
 turn, the last is repeated. So the choice depends only on the prompt: concurrent attempts, retries and
 their interleaving get the same answers. A turn is text (tokenised by the served tokenizer, the end-of-
 turn token appended) or ``{"token_ids": [...]}``, taken as is.
+
+The one exception is a turn ``{"cycle": [turn, ...]}``: the requests that reach it take its alternatives
+in turn (the k-th gets alternative ``k mod n``), so that n attempts of one prompt record each alternative
+once, whatever their interleaving. A teacher whose answers must not depend on the prompt (a warm-up that
+teaches a harness's format but leaves the task's answer to the reward) is written so.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +45,24 @@ SCRIPT_ENV = "INHARNESS_ENGINE_SCRIPT"
 ASSISTANT_MARK = "<|im_start|>assistant"
 
 
+class Cycle:
+    """A turn whose requests take its alternatives in turn (thread-safe: the engine serves concurrently)."""
+
+    def __init__(self, alternatives: tuple[tuple[int, ...], ...]) -> None:
+        self.alternatives = alternatives
+        self._served = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> tuple[int, ...]:
+        with self._lock:
+            k, self._served = self._served, self._served + 1
+        return self.alternatives[k % len(self.alternatives)]
+
+
 @dataclass(frozen=True)
 class Script:
     when: str | None
-    turns: tuple[tuple[int, ...], ...]
+    turns: tuple[tuple[int, ...] | Cycle, ...]
 
 
 class Scripts:
@@ -85,10 +105,26 @@ class Scripts:
         if script is None:
             return ()
         turn = max(prompt.count(ASSISTANT_MARK) - int(prompt.rstrip().endswith(ASSISTANT_MARK)), 0)
-        return script.turns[min(turn, len(script.turns) - 1)]
+        chosen = script.turns[min(turn, len(script.turns) - 1)]
+        return chosen.next() if isinstance(chosen, Cycle) else chosen
 
 
 def _turn(
+    turn: Any, tokenizer: PreTrainedTokenizerBase, end: int | None, vocab_size: int, where: str
+) -> tuple[int, ...] | Cycle:
+    if isinstance(turn, dict) and "cycle" in turn:
+        options = turn["cycle"]
+        if not isinstance(options, list) or not options:
+            raise ValueError(f"{where}.cycle: needs a non-empty list of turns")
+        return Cycle(
+            tuple(
+                _tokens(t, tokenizer, end, vocab_size, f"{where}.cycle[{k}]") for k, t in enumerate(options)
+            )
+        )
+    return _tokens(turn, tokenizer, end, vocab_size, where)
+
+
+def _tokens(
     turn: Any, tokenizer: PreTrainedTokenizerBase, end: int | None, vocab_size: int, where: str
 ) -> tuple[int, ...]:
     if isinstance(turn, str):

@@ -95,6 +95,8 @@ async def _open_calls(settings: GatewaySettings, session: aiohttp.ClientSession)
         metrics=metrics,
         max_model_len=settings.max_model_len or model_len,
         stop_token_ids=stops,
+        temperature=settings.temperature,
+        max_tokens=settings.max_tokens,
     )
 
 

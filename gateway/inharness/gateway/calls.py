@@ -252,7 +252,11 @@ class CallService:
         metrics: GatewayMetrics,
         max_model_len: int,
         stop_token_ids: list[int],
+        temperature: float | None = None,
+        max_tokens: int | None = None,
     ) -> None:
+        """``temperature`` and ``max_tokens``: the policy's sampling (the gateway's settings of those
+        names), applied over what each request asks; None leaves the request's."""
         self.store = store
         self.pool = pool
         self.prompts = prompts
@@ -261,6 +265,8 @@ class CallService:
         self.metrics = metrics
         self.max_model_len = max_model_len
         self.stop_token_ids = stop_token_ids
+        self.temperature = temperature
+        self.max_tokens = max_tokens
         # Keys of running attempts as last read from the store, trusted until the lease they carry
         # passes; every path that moves a lease or ends an attempt here updates or forgets them.
         self._auth: dict[str, AttemptAuth] = {}
@@ -358,7 +364,9 @@ class CallService:
                     param="messages",
                     code="context_length_exceeded",
                 )
-            max_tokens = min(sampling.max_tokens or room, room)
+            max_tokens = min(sampling.max_tokens or room, self.max_tokens or room, room)
+            if self.temperature is not None:
+                sampling = replace(sampling, temperature=self.temperature)
             yield CallContext(
                 service=self,
                 auth=auth,

@@ -59,6 +59,20 @@ class GatewaySettings(BaseModel):
         ge=16,
         description="context length (default: the model config's max_position_embeddings)",
     )
+    temperature: float | None = Field(
+        default=None,
+        ge=0,
+        le=2,
+        description="the policy's sampling temperature, used for every call whatever temperature the "
+        "harness asks (a TrainingRun's spec.generation.temperature, at which the trainer scores the "
+        "samples); none: the harness's own",
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="most tokens generated per call: a harness asking more, or nothing, gets this many "
+        "at most (a TrainingRun's spec.generation.maxTokens); none: the context left",
+    )
     max_attempts: int = Field(default=3, ge=1, le=100, description="attempts per rollout unless a batch says")
     hold_seconds: float = Field(default=120.0, gt=0, description="a serving pause ends by itself after this")
     lease_sweep_seconds: float = Field(default=1.0, gt=0, description="how often expired leases are requeued")

@@ -618,6 +618,13 @@ class Algorithm(SpecModel):
         description="offPolicyCorrection tis: the most a token's importance weight may be; a lower cap "
         "trades variance for bias.",
     )
+    context_gradient: bool = Field(
+        default=True,
+        description="false: each micro-batch's context before its first generated token runs without "
+        "gradient (trainer.engine torch only). The loss is the same; "
+        "the gradient reaches the weights through the generated turns and what follows them only, so a "
+        "harness's long prompt costs a forward pass, not a forward and a backward.",
+    )
     max_tokens_per_sample: int | None = Field(
         default=None, ge=1, description="Longer samples are truncated for training; null: no limit."
     )
@@ -673,10 +680,21 @@ class Scheduling(SpecModel):
 
 
 class Generation(SpecModel):
-    """Sampling of the policy while it serves rollouts; the gateway and trainer apply it."""
+    """Sampling of the policy while it serves rollouts: the gateway applies it to every call, whatever the
+    harness asks, and the trainer scores the samples at the same temperature."""
 
-    temperature: float = Field(default=1.0, ge=0, le=2, description="Sampling temperature.")
-    max_tokens: int = Field(default=512, ge=1, le=1_000_000, description="Most tokens generated per call.")
+    temperature: float = Field(
+        default=1.0,
+        ge=0,
+        le=2,
+        description="Sampling temperature of every call, whatever temperature the harness asks.",
+    )
+    max_tokens: int = Field(
+        default=512,
+        ge=1,
+        le=1_000_000,
+        description="Most tokens generated per call: a harness asking more, or nothing, gets this many.",
+    )
 
 
 class Checkpoint(SpecModel):
@@ -1020,6 +1038,11 @@ class TrainerSpec(SpecModel):
         return self
 
 
+_FROZEN_CONTEXT_NEEDS_TORCH = (
+    "algorithm.contextGradient false needs trainer.engine torch: verl's actor takes the full backward"
+)
+
+
 class TrainingRunSpec(SpecModel):
     model_config = _rules(
         _cel(
@@ -1029,7 +1052,14 @@ class TrainingRunSpec(SpecModel):
             "they share the trainer's GPUs: use sync or collocated-async",
             field_path=".scheduling.mode",
             reason="FieldValueInvalid",
-        )
+        ),
+        _cel(
+            "!has(self.trainer) || self.trainer.engine != 'verl' || !has(self.algorithm) "
+            "|| self.algorithm.contextGradient",
+            _FROZEN_CONTEXT_NEEDS_TORCH,
+            field_path=".algorithm.contextGradient",
+            reason="FieldValueInvalid",
+        ),
     )
 
     model: PolicyModel = Field(description="The policy to train.")
@@ -1058,6 +1088,8 @@ class TrainingRunSpec(SpecModel):
                 "scheduling.mode async needs inference engines of their own; with trainer.inference "
                 "vllm they share the trainer's GPUs: use sync or collocated-async"
             )
+        if self.trainer.engine == "verl" and not self.algorithm.context_gradient:
+            raise _spec_error(_FROZEN_CONTEXT_NEEDS_TORCH)
         return self
 
 

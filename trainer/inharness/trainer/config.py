@@ -64,6 +64,10 @@ class UpdateConfig:
     the PPO ratio is taken against (`algorithms.OFF_POLICY_CORRECTIONS`): ``bypass``, the gateway's
     behaviour log-probs; ``tis``, the trainer's log-probs at the update's start, each token's loss
     weighed by their ratio to the behaviour log-probs truncated at ``tis_cap`` (`algorithms.tis_weights`).
+    ``context_gradient``: False runs each micro-batch's context before its first generated token without
+    gradient (the torch engine only): the same loss and ratios, a gradient through the generated turns and
+    what follows them only, so a harness's long prompt costs a forward pass instead of a forward and a
+    backward.
 
     ``temperature``: ``spec.generation.temperature``, the *sampling* temperature, so that training
     logprobs are the behaviour logprobs' quantity (0, greedy, means temperature-1 logits, as in the
@@ -84,6 +88,7 @@ class UpdateConfig:
     lr_warmup_steps: int = 0
     off_policy_correction: str = "bypass"
     tis_cap: float = 2.0
+    context_gradient: bool = True
     temperature: float = 1.0
     max_tokens_per_microbatch: int = 4096
 

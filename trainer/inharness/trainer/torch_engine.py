@@ -156,6 +156,13 @@ def _logits_after_frozen_context(model: PreTrainedModel, ids: Tensor, start: int
     return model(input_ids=ids[:, start:], past_key_values=cache, use_cache=True).logits
 
 
+def _first_learnt(mask: Tensor) -> int:
+    """The first target column of ``mask`` ``[b, W - 1]`` that some row learns (the last when none does):
+    where a frozen context ends."""
+    learnt = mask.any(dim=0).nonzero()
+    return int(learnt[0]) if len(learnt) else mask.shape[1] - 1
+
+
 def _scaled(logits: Tensor, temperature: float) -> Tensor:
     """float32 ``logits / temperature``; temperature 0 (greedy) and 1 leave the logits as they are."""
     x = logits.float()
@@ -299,21 +306,34 @@ class TorchTrainingEngine:
         lengths: Tensor,
         temperature: float,
         entropy_mask: Tensor | None = None,
+        frozen_before: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """ids ``[b, W]`` (row lengths ``[b]``) -> (logprobs ``[b, W - 1]`` of ``ids[:, 1:]``, entropies
         ``[b, W - 1]`` where ``entropy_mask`` (``[b, W - 1]``) is nonzero, else 0), both float32, of
         ``log_softmax(logits.float() / temperature)`` at each next token, the inference engine's
         convention (temperature 0 = greedy = temperature 1). The rows' common prefix is computed once
-        when that saves at least `_MIN_SHARED_TOKENS` token positions (see the module docstring)."""
+        when that saves at least `_MIN_SHARED_TOKENS` token positions (see the module docstring).
+
+        ``frozen_before`` (a target column): the context ``ids[:, :frozen_before]`` runs without gradient
+        (`_logits_after_frozen_context`) and the columns before it are 0; the others have the same values."""
         ids = ids.to(self.device)
+        if entropy_mask is None:
+            entropy_mask = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.bool)
+        entropy_mask = entropy_mask.to(self.device).bool()
+        if frozen_before is not None:
+            with self._autocast():
+                tail = _logits_after_frozen_context(model, ids, frozen_before)
+            lp, ent = _scores(
+                None, tail, ids[:, frozen_before:], temperature, entropy_mask[:, frozen_before:]
+            )
+            pad = lp.new_zeros((ids.shape[0], frozen_before))
+            return torch.cat([pad, lp], dim=1), torch.cat([pad, ent], dim=1)
         prefix = _common_prefix(ids, lengths)
         if (ids.shape[0] - 1) * prefix < _MIN_SHARED_TOKENS:
             prefix = 0
         with self._autocast():
             head, tail = _logits(model, ids, prefix)
-        if entropy_mask is None:
-            entropy_mask = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.bool)
-        return _scores(head, tail, ids, temperature, entropy_mask.to(self.device).bool())
+        return _scores(head, tail, ids, temperature, entropy_mask)
 
     def _microbatches(
         self, samples: Sequence[Sample], budget: int
@@ -494,8 +514,11 @@ class TorchTrainingEngine:
             )
             is_w = None if batch.is_weights is None else batch.is_weights[idx, :cols].to(self.device)
             n_tok = float(m.sum().item())
+            frozen = None if config.context_gradient else _first_learnt(m)
             with torch.set_grad_enabled(apply):
-                lp, entropy = self._forward(self.model, ids, lengths, config.temperature, m.bool())
+                lp, entropy = self._forward(
+                    self.model, ids, lengths, config.temperature, m.bool(), frozen_before=frozen
+                )
             pg, pg_metrics = clipped_policy_loss(
                 lp,
                 old,
@@ -583,15 +606,8 @@ class TorchTrainingEngine:
         loss_sum, n_micro = 0.0, 0
         for rows, ids, lengths in self._microbatches(samples, max_tokens_per_microbatch):
             m = mask[torch.tensor(rows, dtype=torch.long), : ids.shape[1] - 1].to(self.device)
-            if context_gradient:
-                lp, _ = self._forward(self.model, ids, lengths, 1.0)
-            else:
-                start = int(m.any(dim=0).nonzero()[0]) if m.any() else ids.shape[1] - 1
-                tail = ids[:, start:].to(self.device)
-                with self._autocast():
-                    logits = _logits_after_frozen_context(self.model, ids.to(self.device), start)
-                lp, _ = _scores(None, logits, tail, 1.0, torch.zeros_like(m[:, start:], dtype=torch.bool))
-                m = m[:, start:]
+            frozen = None if context_gradient else _first_learnt(m)
+            lp, _ = self._forward(self.model, ids, lengths, 1.0, frozen_before=frozen)
             loss = -(lp * m).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())

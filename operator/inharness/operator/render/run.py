@@ -381,7 +381,8 @@ def _gateway_service(run: str, meta: Obj) -> Obj:
 
 def _gateway_args(run: TrainingRun, harness: HarnessSpec, pool: RolloutPool) -> list[str]:
     """`inharness gateway` flags: the model, the engine of trainer replica 0, the SQLite store on the
-    claim (a PostgreSQL store comes as an env var instead: `_gateway_deployment`), the bodies it keeps."""
+    claim (a PostgreSQL store comes as an env var instead: `_gateway_deployment`), the bodies it keeps,
+    the policy's sampling (spec.generation)."""
     sqlite = run.spec.gateway.store.url_secret is None
     return [
         "gateway",
@@ -392,6 +393,10 @@ def _gateway_args(run: TrainingRun, harness: HarnessSpec, pool: RolloutPool) -> 
         *(["--store", f"sqlite:///{STORE_DIR}/gateway.db"] if sqlite else []),
         "--bodies",
         run.spec.gateway.store.bodies,
+        "--temperature",  # the policy's sampling, whatever a harness asks: the trainer scores samples at it
+        str(run.spec.generation.temperature),
+        "--max-tokens",
+        str(run.spec.generation.max_tokens),
         "--host",
         "0.0.0.0",
         "--port",

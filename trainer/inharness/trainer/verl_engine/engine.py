@@ -272,6 +272,10 @@ class VerlTrainingEngine:
                 raise ValueError(f"{name} is fixed when the verl workers start ({getattr(built, name)})")
         if config.kl_coef > 0 and self.ref is None:
             raise ValueError("kl_coef > 0 needs an engine built with kl_reference=True")
+        if not config.context_gradient:
+            raise ValueError(
+                "context_gradient=False is the torch engine's; verl's actor takes the full backward"
+            )
         index, mask, advantages = _outcome_advantages(samples, config)
         sample_rollout = torch.tensor(index.sample_rollout, dtype=torch.long)
         active = [i for i in range(len(samples)) if mask[i].any()]
