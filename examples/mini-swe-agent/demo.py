@@ -37,7 +37,7 @@ LIMIT_SECONDS = 20 * 60
 CONTEXT = 8192  # mini's first prompt is 1.8k tokens of the tiny tokenizer; its step limit keeps it short
 # 8 rows (2 per task), one recording step of 16 attempts: each word with each answer once; sft with the
 # prompt outside the graph (inharness sft's default)
-TEACHER = {"copies": 2, "batch": 8, "sft_steps": 150, "sft_batch": 4}
+TEACHER = {"copies": 2, "batch": 8, "sft_steps": 200, "sft_batch": 4}
 SMOKE_TEACHER = {"copies": 2, "batch": 8, "sft_steps": 4, "sft_batch": 4}
 HARNESS = {"harness": "mini-SWE-agent 2.4.6", "protocol": "openai.chat (Chat Completions, via LiteLLM)"}
 

@@ -1,8 +1,8 @@
 """The task family of the mini-SWE-agent demo: read a word from the workspace, write its opposite.
 
 "Write the opposite of the word in word.txt into answer.txt, then submit." Each attempt's workspace
-holds word.txt (one of hot, up, yes, left; run.sh writes the task's `files` into it); the agent must run
-shell commands that leave the opposite (cold, down, no, right) in answer.txt. grade.py reads that file,
+holds word.txt (one of hot, left, fast, dark; run.sh writes the task's `files` into it); the agent must
+run shell commands that leave the opposite (cold, right, slow, light) in answer.txt. grade.py reads that file,
 nothing the agent says about itself, and the expected content is never in the workspace or the prompt.
 
 Why a 4M-parameter model can learn it inside an unmodified mini-SWE-agent: the task's text is the same
@@ -15,10 +15,11 @@ with each answer equally often. The warm-up (`inharness sft` on those recordings
 tool-call format, reading the file, the answer file's name and how to finish, and leaves a success rate
 of one in four: which answer goes with which word only the reward can teach.
 
-Two earlier shapes did not warm up (docs/results.md, make demo-swe runs 2-4): the word in the task's
-text ("... the opposite of the word hot ..."), with or without a ticket number, sits ~1.7k tokens
-before the answer, behind mini's instructions; after 150-300 sft steps the warmed model, sampled at
-temperature 0.3, still named the wrong word in 9-12 of 32 attempts of its own training prompts.
+What has not worked yet (docs/results.md, make demo-swe runs 2-9): with the word in the task's text
+("... the opposite of the word hot ..."), ~1.7k tokens before the answer behind mini's instructions,
+the warmed model named the wrong word in 9-12 of 32 samples of its own training prompts. Read from
+word.txt it names `hot` every time, but confuses the other three words among themselves (`up` and `yes`
+before, `left`, `fast` and `dark` now), after 200 or 400 sft steps, with tied or untied embeddings.
 
 `python examples/mini-swe-agent/family.py --write` regenerates tasks.jsonl.
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TASKS_FILE = HERE / "tasks.jsonl"
-OPPOSITES = {"hot": "cold", "up": "down", "yes": "no", "left": "right"}
+OPPOSITES = {"hot": "cold", "left": "right", "fast": "slow", "dark": "light"}
 ANSWERS = tuple(OPPOSITES.values())
 ANSWER_FILE = "answer.txt"
 WORD_FILE = "word.txt"
@@ -80,7 +81,8 @@ def teacher_script() -> dict[str, Any]:
                 read,
                 {
                     "cycle": [
-                        _bash(f"The word is {word}.", f"echo {answer} > {ANSWER_FILE}") for answer in ANSWERS
+                        _bash(f'The word is "{word}".', f"echo {answer} > {ANSWER_FILE}")
+                        for answer in ANSWERS
                     ]
                 },
                 _bash("Submitting.", f"echo {SUBMIT}"),

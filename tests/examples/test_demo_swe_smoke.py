@@ -58,3 +58,15 @@ def test_the_swe_demo_records_warms_up_and_trains_through_mini_swe_agent(tmp_pat
         assert graded["reward"] in (0.0, 1.0) and (attempt / "traj.json").exists()
     facts = json.loads((demo / "demo.json").read_text())
     assert facts["protocol"].startswith("openai.chat") and facts["model_calls_per_rollout"] >= 1
+
+    # The premise's measurement (premise.py) on this short warm-up: it finds each task's answering prompt
+    # in the recording and counts what the samples do (the rates themselves need the full warm-up).
+    sys.path.insert(0, str(root / "examples" / "mini-swe-agent"))
+    try:
+        import premise
+    finally:
+        sys.path.pop(0)
+    measured = premise.measure(demo / "teacher", root / "examples" / "mini-swe-agent" / "model", samples=2)
+    assert measured["samples"] == 2 * len(premise.family.OPPOSITES)
+    assert measured["right"] <= measured["well_formed"] <= measured["samples"]
+    assert measured["named"] <= measured["well_formed"]
