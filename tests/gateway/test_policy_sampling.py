@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 from conftest import ADMIN
-from gwhelpers import FIRST_TURN, calls_of, harness_client, new_attempt
+from gwhelpers import calls_of, harness_client, new_attempt
 from testsupport import Server, gateway_server
 
-from inharness.demo import CALC_TOOL
+# Not the calc trace the tool model was warmed on: at the harness's 1.5 its next tokens are far from sure.
+UNTRAINED = [{"role": "user", "content": "Name three colours of the sea at night, and why."}]
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +29,7 @@ def test_every_call_is_sampled_at_the_policys_temperature_and_token_limit(greedy
     attempt = new_attempt(greedy_gateway)
     client = harness_client(greedy_gateway, attempt["token"])
     answers = [
-        client.chat.completions.create(
-            model="m", messages=FIRST_TURN, tools=[CALC_TOOL], temperature=1.5, max_tokens=50, seed=k
-        )
+        client.chat.completions.create(model="m", messages=UNTRAINED, temperature=1.5, max_tokens=50, seed=k)
         for k in range(3)
     ]
     assert all(a.usage.completion_tokens == 3 for a in answers)
