@@ -1,5 +1,6 @@
 """The generation loop: stopping rules, seeding, batching and the logprob convention."""
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -8,7 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from inharness.engine.sampling import Completion, PrefixCache, SamplingParams, Scheduler, generate
+from inharness.engine.sampling import (
+    MAX_N,
+    MAX_SEED,
+    MIN_SEED,
+    Completion,
+    PrefixCache,
+    SamplingParams,
+    Scheduler,
+    generate,
+)
 from inharness.engine.tiny import init_tiny
 
 PROMPT = [300, 75, 417, 893, 220, 16, 10, 17, 28]
@@ -65,12 +75,54 @@ def test_seeded_sampling_reproduces(model: PreTrainedModel) -> None:
     assert other != generate(model, PROMPT, params)
 
 
-@pytest.mark.parametrize("top_p", [1e-6, 1e-50, 5e-324])
+# Values at float32's and float64's edges: 1.2e-38 the smallest normal float32, 1.4e-45 the smallest
+# subnormal, 1e-40 a subnormal, 5e-324 the smallest positive float64 (0 in float32).
+TINY = [1e-6, 1e-30, 1.2e-38, 1e-40, 1.4e-45, 1e-50, 5e-324]
+
+
+@pytest.mark.parametrize("top_p", TINY)
 def test_tiny_top_p_is_greedy(model: PreTrainedModel, top_p: float) -> None:
     """Down to values that are 0 in float32 (an outside fuzzer sent 5e-324): the top token survives."""
     greedy = generate(model, PROMPT, SamplingParams(max_tokens=10, temperature=0))[0]
     nucleus = generate(model, PROMPT, SamplingParams(max_tokens=10, temperature=0.8, top_p=top_p, seed=1))[0]
     assert nucleus.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("temperature", TINY[1:])
+def test_a_temperature_near_0_samples_the_greedy_tokens_with_logprob_0(
+    model: PreTrainedModel, temperature: float
+) -> None:
+    """Logits divided by such a temperature overflow to infinities, whose softmax is NaN (torch.multinomial
+    refused it: a 500); the limit as the temperature falls to 0 is greedy, its token certain."""
+    greedy = generate(model, PROMPT, SamplingParams(max_tokens=10, temperature=0))[0]
+    for top_p in (1.0, 5e-324):
+        params = SamplingParams(max_tokens=10, temperature=temperature, top_p=top_p, seed=2)
+        cold = generate(model, PROMPT, params)[0]
+        assert cold.token_ids == greedy.token_ids
+        assert cold.logprobs == [0.0] * 10
+
+
+def test_the_greedy_threshold_is_0_and_a_small_temperature_still_samples(model: PreTrainedModel) -> None:
+    """Only 0 means greedy (with untempered logprobs); the logprob of a sampled token is tempered, down
+    to where the tempered distribution is the greedy one."""
+    greedy = generate(model, PROMPT, SamplingParams(max_tokens=6, temperature=0))[0]
+    assert all(lp < 0 for lp in greedy.logprobs)  # log_softmax(logits): the random model is unsure
+    for temperature in (1e-3, 1e-2):
+        out = generate(model, PROMPT, SamplingParams(max_tokens=6, temperature=temperature, seed=3))[0]
+        assert out.logprobs == pytest.approx(
+            full_forward_logprobs(model, PROMPT, out.token_ids, temperature), abs=1e-4
+        )
+
+
+@pytest.mark.parametrize("top_p", [1.0, math.nextafter(1.0, 0.0), 0.5])
+def test_top_p_near_1_samples_as_documented(model: PreTrainedModel, top_p: float) -> None:
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=top_p, seed=11)
+    out = generate(model, PROMPT, params)[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"
+    assert out.logprobs == pytest.approx(full_forward_logprobs(model, PROMPT, out.token_ids, 1.0), abs=1e-4)
+    if top_p == 1.0:  # no truncation at all: the same draws as without top_p
+        plain = generate(model, PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=11))[0]
+        assert out.token_ids == plain.token_ids
 
 
 def test_stop_token_is_included_and_reported(model: PreTrainedModel) -> None:
@@ -85,11 +137,34 @@ def test_stop_token_is_included_and_reported(model: PreTrainedModel) -> None:
     assert out.finish_reason == "stop" and out.stop_token_id == stop
 
 
-def test_context_limit_ends_with_length(model: PreTrainedModel) -> None:
+@pytest.mark.parametrize("max_tokens", [3, 50, 2**63 - 1])
+def test_context_limit_ends_with_length(model: PreTrainedModel, max_tokens: int) -> None:
+    """max_tokens exactly the room left, above it, and far above it: the context's end ends the choice."""
     context = model.config.max_position_embeddings
     prompt = (PROMPT * (context // len(PROMPT) + 1))[: context - 3]
-    out = generate(model, prompt, SamplingParams(max_tokens=50, temperature=0))[0]
+    out = generate(model, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+def test_one_token_fills_the_last_place_of_the_context(model: PreTrainedModel) -> None:
+    context = model.config.max_position_embeddings
+    prompt = (PROMPT * (context // len(PROMPT) + 1))[: context - 1]
+    for max_tokens in (1, 2):
+        out = generate(model, prompt, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1))[0]
+        assert len(out.token_ids) == 1 and out.finish_reason == "length"
+
+
+def test_n_at_its_bound_runs_and_one_more_is_refused(model: PreTrainedModel) -> None:
+    outs = generate(model, PROMPT, SamplingParams(max_tokens=1, temperature=1.0, seed=6, n=MAX_N))
+    assert len(outs) == MAX_N and len({o.token_ids[0] for o in outs}) > 1
+    with pytest.raises(ValueError, match="n must be between 1 and"):
+        generate(model, PROMPT, SamplingParams(max_tokens=1, n=MAX_N + 1))
+
+
+@pytest.mark.parametrize("seed", [MIN_SEED, -1, 0, 2**63 - 1, MAX_SEED])
+def test_every_seed_in_range_reproduces(model: PreTrainedModel, seed: int) -> None:
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=seed)
+    assert generate(model, PROMPT, params) == generate(model, PROMPT, params)
 
 
 def test_n_choices_run_as_a_batch(model: PreTrainedModel) -> None:
@@ -151,6 +226,13 @@ def test_concurrent_calls_are_serialised(model: PreTrainedModel) -> None:
         ([1], SamplingParams(max_tokens=1, n=0)),
         ([1], SamplingParams(max_tokens=1, temperature=-1)),
         ([1], SamplingParams(max_tokens=1, top_p=0)),
+        ([1], SamplingParams(max_tokens=1, top_p=math.nextafter(1.0, 2.0))),
+        ([1], SamplingParams(max_tokens=1, top_p=math.nan)),
+        ([1], SamplingParams(max_tokens=1, temperature=math.nan)),
+        ([1], SamplingParams(max_tokens=1, temperature=math.inf)),
+        ([1], SamplingParams(max_tokens=1, n=MAX_N + 1)),
+        ([1], SamplingParams(max_tokens=1, seed=MAX_SEED + 1)),
+        ([1], SamplingParams(max_tokens=1, seed=MIN_SEED - 1)),
     ],
 )
 def test_invalid_inputs_raise(model: PreTrainedModel, prompt: list[int], params: SamplingParams) -> None:

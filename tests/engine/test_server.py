@@ -15,6 +15,7 @@ import torch
 import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from inharness.engine.sampling import MAX_N
 from inharness.engine.server import CompletionRequest, EngineState, _ChoiceOutput, _prepare, create_app
 from inharness.engine.tiny import IM_END, init_tiny
 
@@ -226,6 +227,63 @@ def test_n_choices(engine: Engine) -> None:
     assert body["usage"]["completion_tokens"] == 12
 
 
+# The edges of every sampling value the API takes (an outside fuzzer's finds among them): each is sampled,
+# never a 500. 5e-324 is the smallest positive float64, 1e-40 and 1.4e-45 float32 subnormals.
+EDGES = [
+    {"top_p": 5e-324},
+    {"top_p": 1e-40},
+    {"top_p": 1.4e-45},
+    {"top_p": 1.0},
+    {"temperature": 5e-324},
+    {"temperature": 1e-40},
+    {"temperature": 5e-324, "top_p": 5e-324},
+    {"temperature": 0, "top_p": 5e-324},
+    {"temperature": 1.7976931348623157e308},
+    {"seed": -(2**63)},
+    {"seed": 2**64 - 1},
+    {"max_tokens": 1},
+    {"n": MAX_N, "max_tokens": 1},
+]
+
+
+@pytest.mark.parametrize("edge", EDGES, ids=[json.dumps(e) for e in EDGES])
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_sampling_values_at_their_edges_are_sampled(
+    engine: Engine, edge: dict[str, Any], streamed: bool
+) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 3, "seed": 1, "return_token_ids": True, **edge}
+    n, max_tokens = body.get("n", 1), body["max_tokens"]
+    if streamed:
+        chunks = stream(engine, **body)
+        ids: dict[int, list[int]] = {}
+        for chunk in chunks:
+            for c in chunk["choices"]:
+                ids.setdefault(c["index"], []).extend(c["token_ids"])
+        assert sorted(ids) == list(range(n)) and all(len(t) == max_tokens for t in ids.values())
+    else:
+        choices = complete(engine, **body)["choices"]
+        assert len(choices) == n and all(len(c["token_ids"]) == max_tokens for c in choices)
+
+
+def test_a_temperature_near_0_is_greedy_over_http(engine: Engine) -> None:
+    greedy = complete(engine, prompt=PROMPT, max_tokens=6, temperature=0, return_token_ids=True)
+    cold = complete(
+        engine, prompt=PROMPT, max_tokens=6, temperature=5e-324, logprobs=0, return_token_ids=True
+    )
+    assert cold["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+    assert cold["choices"][0]["logprobs"]["token_logprobs"] == [0.0] * 6
+
+
+def test_max_tokens_at_and_past_the_context_limit_ends_with_length(engine: Engine) -> None:
+    context = engine.state.max_model_len
+    prompt = (PROMPT * (context // len(PROMPT) + 1))[: context - 2]
+    for max_tokens in (2, 3, 2**63 - 1, None):
+        (choice,) = complete(
+            engine, prompt=prompt, max_tokens=max_tokens, temperature=0, return_token_ids=True
+        )["choices"]
+        assert len(choice["token_ids"]) == 2 and choice["finish_reason"] == "length", max_tokens
+
+
 def test_tokens_as_token_ids(engine: Engine) -> None:
     body = complete(
         engine,
@@ -363,6 +421,11 @@ def test_event_loop_stays_responsive_during_generation(engine: Engine) -> None:
         ({"prompt": PROMPT, "n": 0}, "n"),
         ({"prompt": PROMPT, "temperature": -0.5}, "temperature"),
         ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+        ({"prompt": PROMPT, "top_p": -5e-324}, "top_p"),
+        ({"prompt": PROMPT, "top_p": 1.0000000000000002}, "top_p"),
+        ({"prompt": PROMPT, "n": MAX_N + 1}, "n"),
+        ({"prompt": PROMPT, "seed": 2**64}, "seed"),
+        ({"prompt": PROMPT, "seed": -(2**63) - 1}, "seed"),
         ({"prompt": PROMPT, "logprobs": -1}, "logprobs"),
         ({"prompt": PROMPT, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ],
@@ -373,6 +436,19 @@ def test_bad_requests_are_400(engine: Engine, body: dict[str, Any], param: str) 
     error = response.json()["error"]
     assert error["type"] == "BadRequestError" and error["code"] == 400 and error["param"] == param
     assert isinstance(error["message"], str) and error["message"]
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("param", ["temperature", "top_p"])
+def test_non_finite_sampling_values_are_400_naming_them(engine: Engine, param: str, value: str) -> None:
+    """Python's JSON reader (FastAPI's) takes NaN and Infinity; a NaN temperature would reach
+    torch.multinomial as a NaN distribution."""
+    content = f'{{"prompt": {PROMPT}, "{param}": {value}}}'.encode()
+    r = httpx.post(
+        f"{engine.url}/v1/completions", content=content, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
 
 
 def test_malformed_json_is_400(engine: Engine) -> None:

@@ -24,6 +24,7 @@ Both change only how the matmuls are chunked, hence float rounding (~1e-6), not 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -39,6 +40,13 @@ FinishReason = Literal["stop", "length", "abort"]
 OnToken = Callable[[int, int, float, FinishReason | None, str | None], None]
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """A DynamicCache's content: per layer (keys, values), each ``(rows, kv_heads, tokens, head_dim)``."""
+
+# Choices of one request: each is a row of the batch with its own KV (a few MiB per 1k tokens on the tiny
+# model), and a request with more rows than the batch holds runs alone, so a larger n would only hold the
+# engine. The gateway takes at most 16.
+MAX_N = 64
+# What torch.Generator.manual_seed takes (a negative seed is read modulo 2**64).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
 # `generate` calls run one at a time: the model is shared and a CPU gains nothing from two concurrent passes.
 _LOCK = threading.Lock()
@@ -113,10 +121,12 @@ def validate(model: PreTrainedModel, prompt_ids: list[int], params: SamplingPara
         raise ValueError(f"token id {bad[0]} is out of vocabulary (size {vocab})")
     if params.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
-    if params.n < 1:
-        raise ValueError("n must be at least 1")
-    if params.temperature < 0:
-        raise ValueError("temperature must be non-negative")
+    if not 1 <= params.n <= MAX_N:
+        raise ValueError(f"n must be between 1 and {MAX_N}")
+    if params.seed is not None and not MIN_SEED <= params.seed <= MAX_SEED:
+        raise ValueError(f"seed must be between {MIN_SEED} and {MAX_SEED}")
+    if not 0 <= params.temperature < math.inf:  # NaN fails too
+        raise ValueError("temperature must be a finite number, at least 0")
     if not 0 < params.top_p <= 1:
         raise ValueError("top_p must be in (0, 1]")
 
@@ -130,7 +140,7 @@ def _sample(
         logp = torch.log_softmax(logits, dim=-1)
         tokens = torch.argmax(logits, dim=-1)
     else:
-        logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        logp = torch.log_softmax(_tempered(logits, params.temperature), dim=-1)
         probs = logp.exp()
         if params.top_p < 1:
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
@@ -143,6 +153,24 @@ def _sample(
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+# float32's smallest positive (subnormal) value: a temperature below it would be 0 where the logits are.
+_MIN_TEMPERATURE = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` for any temperature the API accepts, without a NaN.
+
+    Dividing raw logits by a tiny temperature (1e-39, 5e-324) overflows to +-inf, and softmax of two
+    infinities is NaN, which ``torch.multinomial`` refuses. Shifted so that the top logit is 0 first (which
+    softmax does not see), the quotient is 0 for the top token(s) and -inf at worst for the others: the
+    limit, greedy (tied top tokens share the mass). A temperature below float32's smallest subnormal
+    (5e-324 is 0 there, and 0/0 is NaN) is taken as that subnormal (1.4e-45), which is the same limit for
+    any two logits more than about 1e-43 apart.
+    """
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    return shifted / max(temperature, _MIN_TEMPERATURE)
 
 
 def _kv(cache: DynamicCache) -> KV:
@@ -290,7 +318,8 @@ class _Request:
         picked = torch.tensor(
             [forced[min(len(tokens), len(forced) - 1)] for tokens in self.tokens], device=logits.device
         )
-        scaled = logits.float() / self.params.temperature if self.params.temperature else logits.float()
+        temperature = self.params.temperature
+        scaled = _tempered(logits.float(), temperature) if temperature else logits.float()
         logp = torch.log_softmax(scaled, dim=-1)
         return picked, logp.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import threading
 import time
@@ -34,7 +35,15 @@ from transformers import (
 )
 
 from inharness.engine import auth
-from inharness.engine.sampling import Completion, SamplingParams, Scheduler, validate
+from inharness.engine.sampling import (
+    MAX_N,
+    MAX_SEED,
+    MIN_SEED,
+    Completion,
+    SamplingParams,
+    Scheduler,
+    validate,
+)
 from inharness.engine.script import SCRIPT_ENV, Scripts
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
@@ -185,11 +194,13 @@ def _prepare(state: EngineState, req: CompletionRequest) -> _Job:
     max_tokens = room if req.max_tokens is None else req.max_tokens
     if max_tokens < 1:
         raise BadRequest("max_tokens must be at least 1", "max_tokens")
-    if req.n < 1:
-        raise BadRequest("n must be at least 1", "n")
+    if not 1 <= req.n <= MAX_N:
+        raise BadRequest(f"n must be between 1 and {MAX_N}", "n")
+    if req.seed is not None and not MIN_SEED <= req.seed <= MAX_SEED:
+        raise BadRequest(f"seed must be between {MIN_SEED} and {MAX_SEED}", "seed")
     temperature = 1.0 if req.temperature is None else float(req.temperature)
-    if temperature < 0:
-        raise BadRequest("temperature must be non-negative", "temperature")
+    if not 0 <= temperature < math.inf:  # NaN fails too (Python's JSON reader takes NaN and Infinity)
+        raise BadRequest("temperature must be a finite number, at least 0", "temperature")
     top_p = 1.0 if req.top_p is None else float(req.top_p)
     if not 0 < top_p <= 1:
         raise BadRequest("top_p must be in (0, 1]", "top_p")
