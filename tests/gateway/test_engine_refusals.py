@@ -4,7 +4,7 @@ request; an engine that answers 500 is retried and reported as unavailable (503;
 
 The engine here is a stand-in (`RefusingEngine`, a thin fake on 127.0.0.1): the real `inharness engine`
 answers a 400 only for requests the gateway has already refused itself, so no real request reaches
-that branch."""
+that branch. The last test sends the values an outside fuzzer found to the real engine instead."""
 
 import json
 import threading
@@ -86,8 +86,8 @@ def engine_answering(gateway: Server) -> Iterator[Any]:
             engine.__exit__()
 
 
-def _call(gw: Server, protocol: str, token: str, *, stream: bool) -> httpx.Response:
-    """One request in `protocol`, as its SDK sends it."""
+def _call(gw: Server, protocol: str, token: str, *, stream: bool, **sampling: Any) -> httpx.Response:
+    """One request in `protocol`, as its SDK sends it, with `sampling`'s fields added."""
     user = [{"role": "user", "content": "What is 2+2?"}]
     if protocol == "messages":
         path, headers = "/v1/messages", {"x-api-key": token, "anthropic-version": "2023-06-01"}
@@ -98,7 +98,8 @@ def _call(gw: Server, protocol: str, token: str, *, stream: bool) -> httpx.Respo
     else:
         path, headers = "/v1/chat/completions", {"authorization": f"Bearer {token}"}
         body = {"model": "gpt-x", "messages": user, "max_tokens": 8}
-    return httpx.post(f"{gw.url}{path}", json={**body, "stream": stream}, headers=headers, timeout=60)
+    body = {**body, **sampling, "stream": stream}
+    return httpx.post(f"{gw.url}{path}", json=body, headers=headers, timeout=60)
 
 
 def _error(protocol: str, r: httpx.Response) -> tuple[str, str]:
@@ -141,3 +142,21 @@ def test_an_engine_500_is_retried_and_reported_unavailable(
         assert (r.status_code, kind) == (503, "service_unavailable"), r.text
     assert "HTTP 500" in message
     assert engine.completions == RETRIES + 1
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"top_p": 5e-324}, {"top_p": 5e-324, "temperature": 5e-324}, {"top_p": 1.0, "temperature": 1e-40}],
+    ids=["top_p", "both", "temperature"],
+)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_smallest_sampling_values_get_a_sampled_answer_from_the_real_engine(
+    gateway: Server, protocol: str, sampling: dict[str, float]
+) -> None:
+    """The outside fuzzer's find end to end: the real engine answered 500 to top_p 5e-324, which the
+    gateway retried four times and reported as an outage (529 on Messages)."""
+    attempt = new_attempt(gateway)
+    r = _call(gateway, protocol, attempt["token"], stream=False, **sampling)
+    assert r.status_code == 200, r.text
+    (call,) = calls_of(gateway, attempt["id"])
+    assert call["response_ids"] and call["response_logprobs"]
