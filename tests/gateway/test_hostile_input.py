@@ -351,3 +351,29 @@ def test_an_export_cursor_past_64_bits_is_refused_naming_it_before_any_line(
     assert r.status_code == 400, r.text  # the gateway's answer to every invalid parameter
     assert r.json()["error"]["param"] == "query.after"
     assert last.status_code == 200 and last.content == b""
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "param"),
+    [
+        ("GET", "/api/v1/rollouts/" + "r" * 65, "path.rollout_id"),
+        ("GET", "/api/v1/attempts/" + "a" * 65 + "/calls", "path.attempt_id"),
+        ("POST", "/api/v1/attempts/" + "a" * 65 + "/heartbeat", "path.attempt_id"),
+        ("POST", "/api/v1/pools/" + "p" * 254 + "/release-running", "path.pool"),
+    ],
+)
+def test_a_path_id_past_its_bound_is_refused_naming_it(
+    gateway: Server, method: str, path: str, param: str
+) -> None:
+    """The bounds the OpenAPI document states (test_routes_documented) are the ones enforced."""
+    with admin(gateway) as c:
+        r = c.request(method, path)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_an_id_past_its_bound_in_a_list_is_refused_naming_it(gateway: Server) -> None:
+    with admin(gateway) as c:
+        r = c.post("/api/v1/rollouts/hold", json={"ids": ["ro-1", "r" * 65]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "ids.1"

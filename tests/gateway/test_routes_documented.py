@@ -3,6 +3,7 @@ its row, or a row left behind by a removed route, fails here."""
 
 import re
 from pathlib import Path
+from typing import Any
 
 from inharness.gateway.app import create_app
 from inharness.gateway.settings import GatewaySettings
@@ -50,3 +51,33 @@ def test_the_served_openapi_document_validates() -> None:
         if path.startswith(KEY_PREFIX):
             for op in ops.values():
                 assert {"name": "token", "in": "path"}.items() <= op["parameters"][0].items(), (path, op)
+
+
+def _bounded(schema: dict[str, Any]) -> bool:
+    """A parameter's schema bounds every value it admits: a length, a range, a set, or a boolean."""
+    if "anyOf" in schema:
+        return all(_bounded(s) for s in schema["anyOf"])
+    kind = schema.get("type")
+    if "enum" in schema or kind in ("boolean", "null"):
+        return True
+    if kind == "string":
+        return "maxLength" in schema
+    if kind == "integer":
+        return "maximum" in schema and "minimum" in schema
+    return False
+
+
+def test_every_path_and_query_parameter_is_bounded_in_the_document() -> None:
+    """What an outside fuzzer found: an export cursor the schema left unbounded (23 digits) reached the
+    store, which could not hold it, after the response had begun. The document now states every bound
+    the handlers enforce, so a client generator or fuzzer produces what the gateway accepts."""
+    doc = create_app(GatewaySettings(model="unused", admin_token="t" * 8)).openapi()
+    params = [
+        (path, p["name"], p["schema"])
+        for path, ops in doc["paths"].items()
+        for op in ops.values()
+        for p in op.get("parameters", [])
+        if p["in"] in ("path", "query")
+    ]
+    assert len(params) > 10
+    assert [(path, name) for path, name, schema in params if not _bounded(schema)] == []

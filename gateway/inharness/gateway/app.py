@@ -216,7 +216,11 @@ _ERRORS = {
 def _key_in_path(
     token: Annotated[
         str,
-        PathParam(description="the attempt's key, for a harness that takes a base URL but no API key"),
+        PathParam(
+            min_length=1,
+            max_length=256,  # keys are `ih-` and 32 characters; a longer one is no key (401)
+            description="the attempt's key, for a harness that takes a base URL but no API key",
+        ),
     ],
 ) -> None:
     """Declares the `/t/{token}` prefix's parameter, so that the OpenAPI document names it (a client

@@ -204,12 +204,22 @@ class GatewayClient:
         return schema.CallsResponse.model_validate_json(r.content).calls
 
     async def export(
-        self, *, after: int = 0, limit: int = 100_000, bodies: bool = False, status: str | None = None
+        self,
+        *,
+        after: int = 0,
+        limit: int = 100_000,
+        bodies: bool = False,
+        status: str | None = None,
+        page: int | None = None,
     ) -> AsyncIterator[schema.ExportedRollout]:
-        """Finished rollouts after cursor `after`, streamed line by line."""
+        """Finished rollouts after cursor `after`, streamed line by line. An export that broke off is a
+        GatewayError (its error line) or an httpx.RemoteProtocolError (its body ended unterminated), never
+        a shorter iteration; resume from the last rollout's `cursor`."""
         params: dict[str, Any] = {"after": after, "limit": limit, "bodies": str(bodies).lower()}
         if status is not None:
             params["status"] = status
+        if page is not None:
+            params["page"] = page
         request = self._http.build_request("GET", "/api/v1/export/rollouts", params=params)
         r = await self._connected(lambda: self._http.send(request, stream=True), idempotent=True)
         try:
@@ -217,6 +227,9 @@ class GatewayClient:
                 await r.aread()
                 raise GatewayError(r.status_code, r.text)
             async for line in r.aiter_lines():
+                if line.startswith('{"error":'):  # the gateway's last line of an export that broke off
+                    error = orjson.loads(line)["error"]
+                    raise GatewayError(500, error["message"], error.get("code"))
                 if line:
                     yield schema.ExportedRollout.model_validate_json(line)
         finally:

@@ -5,11 +5,13 @@ progress."""
 import asyncio
 import hashlib
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Annotated
 
 import orjson
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response, StreamingResponse
 
 from inharness.gateway import schema
@@ -32,6 +34,17 @@ async def require_admin(request: Request) -> None:
 
 
 router = APIRouter(prefix="/api/v1", route_class=protocol_route(error_response, authenticate=require_admin))
+log = logging.getLogger("inharness.gateway")
+
+# Path parameters, bounded as the bodies' fields are: the OpenAPI document states it, and a longer value
+# is a 400 naming the parameter before the store is asked.
+RolloutId = Annotated[
+    str, Path(min_length=1, max_length=schema.MAX_ID_LENGTH, description="the rollout's id (`ro-...`)")
+]
+AttemptId = Annotated[
+    str, Path(min_length=1, max_length=schema.MAX_ID_LENGTH, description="the attempt's id (`at-...`)")
+]
+PoolName = Annotated[str, Path(min_length=1, max_length=schema.MAX_POOL_LENGTH, description="a rollout pool")]
 
 
 def _store(request: Request) -> Store:
@@ -55,7 +68,7 @@ async def create_rollouts(request: Request, body: schema.CreateRollouts) -> Resp
 
 
 @router.get("/rollouts/{rollout_id}", response_model=schema.RolloutOut)
-async def get_rollout(request: Request, rollout_id: str) -> Response:
+async def get_rollout(request: Request, rollout_id: RolloutId) -> Response:
     try:
         return _json(await _store(request).get_rollout(rollout_id))
     except NotFound as exc:
@@ -90,7 +103,7 @@ async def claim_batch(request: Request, body: schema.ClaimBatchRequest) -> Respo
 
 @router.post("/attempts/{attempt_id}/heartbeat", response_model=schema.AttemptOut)
 async def heartbeat(
-    request: Request, attempt_id: str, body: schema.HeartbeatRequest | None = None
+    request: Request, attempt_id: AttemptId, body: schema.HeartbeatRequest | None = None
 ) -> Response:
     try:
         out = await _store(request).heartbeat(attempt_id, body.lease_seconds if body else None)
@@ -119,7 +132,7 @@ async def heartbeat_batch(request: Request, body: schema.HeartbeatBatchRequest) 
 
 
 @router.post("/attempts/{attempt_id}/complete", response_model=schema.CompleteResponse)
-async def complete(request: Request, attempt_id: str, body: schema.CompleteRequest) -> Response:
+async def complete(request: Request, attempt_id: AttemptId, body: schema.CompleteRequest) -> Response:
     """Finish an attempt: succeeded, failed, or released (no fault of the harness: its rollout is
     requeued without using up an attempt). The answer's `attempt.calls` counts its recorded calls."""
     try:
@@ -133,7 +146,9 @@ async def complete(request: Request, attempt_id: str, body: schema.CompleteReque
 
 
 @router.post("/pools/{pool}/release-running", response_model=schema.ReleasedResponse)
-async def release_running(request: Request, pool: str, body: schema.ReleaseRunning | None = None) -> Response:
+async def release_running(
+    request: Request, pool: PoolName, body: schema.ReleaseRunning | None = None
+) -> Response:
     """Release every running attempt of the pool (passed leases included) and requeue their rollouts
     uncharged, at once: a runner resuming after its process died owns attempts that will never
     complete, and their rollouts should not wait out the leases."""
@@ -159,7 +174,7 @@ async def unhold(request: Request, body: schema.RolloutIds) -> Response:
 
 
 @router.get("/attempts/{attempt_id}/posted-reward", response_model=schema.PostedRewardResponse)
-async def posted_reward(request: Request, attempt_id: str) -> Response:
+async def posted_reward(request: Request, attempt_id: AttemptId) -> Response:
     """The reward the attempt's harness posted itself, if any (the rollout controller's fallback)."""
     try:
         return _json(schema.PostedRewardResponse(posted=await _store(request).posted_reward(attempt_id)))
@@ -168,7 +183,7 @@ async def posted_reward(request: Request, attempt_id: str) -> Response:
 
 
 @router.get("/attempts/{attempt_id}/calls", response_model=schema.CallsResponse)
-async def list_calls(request: Request, attempt_id: str, bodies: bool = True) -> Response:
+async def list_calls(request: Request, attempt_id: AttemptId, bodies: bool = True) -> Response:
     try:
         return _json(schema.CallsResponse(calls=await _store(request).list_calls(attempt_id, bodies=bodies)))
     except NotFound as exc:
@@ -181,26 +196,56 @@ async def export_rollouts(
     after: int = Query(
         default=0, ge=0, le=schema.MAX_INT64, description="cursor of the last rollout already read"
     ),
-    limit: int = Query(default=1000, ge=1, le=100_000),
+    limit: int = Query(default=1000, ge=1, le=100_000, description="rollouts to export at most"),
     page: int = Query(default=100, ge=1, le=1000, description="rollouts read from the store at a time"),
     bodies: bool = False,
     status: schema.RolloutStatus | None = None,
-) -> StreamingResponse:
+) -> Response:
     """Finished rollouts with their calls as JSONL, in the order they finished; each line's
-    `cursor` is where to resume. Streamed page by page, so memory stays bounded."""
+    `cursor` is where to resume. Streamed page by page, so memory stays bounded.
+
+    Every parameter is checked, and the first page read, before the first byte: bad input is a 400
+    and a store that cannot answer a 500, both whole. A page that fails later ends the stream with an
+    `{"error": {...}}` line carrying the cursor to resume from, and then without HTTP/1.1's last chunk
+    (the connection is closed), so that a client can tell it from a complete export either way.
+    """
     store = _store(request)
 
+    async def read(cursor: int, left: int) -> list[schema.ExportedRollout]:
+        return await store.export(after=cursor, limit=min(page, left), bodies=bodies, status=status)
+
+    first = await read(after, limit)
+
     async def lines() -> AsyncIterator[bytes]:
-        cursor, left = after, limit
-        while left > 0:
-            batch = await store.export(after=cursor, limit=min(page, left), bodies=bodies, status=status)
+        batch, cursor, left = first, after, limit
+        while True:
             for item in batch:
                 yield orjson.dumps(item.model_dump(mode="json")) + b"\n"
             if len(batch) < min(page, left):
                 return
             cursor, left = batch[-1].cursor, left - len(batch)
+            if left <= 0:
+                return
+            try:
+                batch = await read(cursor, left)
+            except Exception as exc:
+                log.exception("the export broke off after cursor %d", cursor)
+                message = f"the export broke off after cursor {cursor}: {type(exc).__name__}"
+                error = {
+                    "message": message,
+                    "type": "server_error",
+                    "code": "export_failed",
+                    "cursor": cursor,
+                }
+                yield orjson.dumps({"error": error}) + b"\n"
+                raise ExportBrokeOff(message) from exc
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+class ExportBrokeOff(RuntimeError):
+    """Raised after the export's error line, so that the server closes the connection without the
+    chunked body's terminator: a client that reads no lines still sees an incomplete response."""
 
 
 @router.get("/models/versions", response_model=schema.ModelVersionsResponse)

@@ -20,6 +20,11 @@ MAX_ROLLOUT_IDS = 100_000
 # the store's columns and every reader of a recorded request hold 64 bits (a JSON integer beyond
 # them is parsed as a float, which these bounds then refuse).
 MIN_INT64, MAX_INT64 = -(2**63), 2**63 - 1
+# The longest id a request may name: the store's are `ro-`/`at-` and 16 hex digits; anything longer is
+# refused before the store is asked (a path or list of megabyte ids would otherwise be looked up).
+MAX_ID_LENGTH = 64
+MAX_POOL_LENGTH = 253  # a Kubernetes name: pools are named after RolloutPools
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
 
 
 class _Wire(BaseModel):
@@ -33,7 +38,7 @@ class CreateRollouts(_Wire):
     tasks: list[Any] = Field(min_length=1, max_length=100_000)
     group_size: int = Field(default=1, ge=1, le=1024)
     labels: dict[str, str] = Field(default_factory=dict)
-    pool: str = Field(default="default", min_length=1, max_length=253)
+    pool: str = Field(default="default", min_length=1, max_length=MAX_POOL_LENGTH)
     max_attempts: int | None = Field(default=None, ge=1, le=100, description="None: the gateway's default")
 
 
@@ -49,7 +54,7 @@ ClaimKey = Annotated[
 
 
 class ClaimRequest(_Wire):
-    pool: str = Field(default="default", min_length=1, max_length=253)
+    pool: str = Field(default="default", min_length=1, max_length=MAX_POOL_LENGTH)
     lease_seconds: float = Field(default=600.0, gt=0, le=86_400)
     claim_key: ClaimKey = None
 
@@ -58,7 +63,7 @@ MAX_CLAIM_BATCH = 1000
 
 
 class ClaimBatchRequest(_Wire):
-    pool: str = Field(default="default", min_length=1, max_length=253)
+    pool: str = Field(default="default", min_length=1, max_length=MAX_POOL_LENGTH)
     lease_seconds: float = Field(default=600.0, gt=0, le=86_400)
     limit: int = Field(ge=1, le=MAX_CLAIM_BATCH, description="claim at most this many attempts")
     claim_key: ClaimKey = None
@@ -78,7 +83,7 @@ class HeartbeatBatchRequest(_Wire):
     """Renew many leases in one request: a controller with a thousand attempts in flight would
     otherwise send a thousand heartbeats per interval, however long its harnesses run."""
 
-    attempt_ids: list[str] = Field(min_length=1, max_length=MAX_HEARTBEAT_BATCH)
+    attempt_ids: list[Id] = Field(min_length=1, max_length=MAX_HEARTBEAT_BATCH)
     lease_seconds: float | None = Field(
         default=None, gt=0, le=86_400, description="None: each attempt's claimed lease"
     )
@@ -112,7 +117,7 @@ class ReleasedResponse(BaseModel):
 
 
 class RolloutIds(_Wire):
-    ids: list[str] = Field(max_length=MAX_ROLLOUT_IDS)
+    ids: list[Id] = Field(max_length=MAX_ROLLOUT_IDS)
 
 
 class ChangedResponse(BaseModel):
@@ -251,7 +256,7 @@ class ExportedRollout(BaseModel):
 
 class RegisterVersion(_Wire):
     version: int = Field(ge=0, le=MAX_INT64)
-    engines: list[str] = Field(min_length=1)
+    engines: list[Annotated[str, Field(min_length=1, max_length=2048)]] = Field(min_length=1, max_length=1024)
     activate: bool = False
 
 
