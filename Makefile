@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo demo-verl demo-swe demo-gateway ablation test checkov lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e gpu-smoke clean
+.PHONY: demo demo-verl demo-swe demo-gateway ablation test fuzz checkov lint fmt bench-gateway bench-rollouts bench-harness-start bench-engine crds deploy-manifests helm-lint images e2e gpu-smoke clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
@@ -86,6 +86,12 @@ test: $(STAMP) $(CHECKOV_STAMP) $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q --durations=25
+
+# The fuzz tier at length (tools/fuzz.py): Schemathesis' command line on the served OpenAPI document, in
+# front of a real engine, every phase, for SECONDS in all with a fresh seed (printed; SEED=N replays one).
+SECONDS ?= 600
+fuzz: $(STAMP)
+	$(BIN)/python tools/fuzz.py --seconds $(SECONDS) $(if $(SEED),--seed $(SEED))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
