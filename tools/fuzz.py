@@ -124,7 +124,7 @@ def st_command(
     cmd += ["--phases", ",".join(target.phases), "--checks", "not_a_server_error"]
     cmd += ["-H", f"Authorization: Bearer {target.token}", "--seed", str(seed), "--max-time", str(seconds)]
     cmd += ["--workers", "1", "--request-timeout", "60", "--suppress-health-check", "all", "--no-color"]
-    cmd += ["--generation-database", "none", "--warnings", "off"]
+    cmd += ["--generation-database", "none"]
     if max_examples is not None:
         cmd += ["--max-examples", str(max_examples)]
     return cmd
