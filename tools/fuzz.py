@@ -161,7 +161,9 @@ def run(
             cmd = st_command(target, seed=seed, seconds=share, max_examples=max_examples, config=config)
             print(f"\n=== {target.name} routes ({share} s): {' '.join(cmd)}", file=stream, flush=True)
             env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "120"}
-            result = subprocess.run(cmd, stdout=stream, stderr=subprocess.STDOUT, env=env, check=False)
+            result = subprocess.run(  # in `work`: st keeps a cache folder where it runs
+                cmd, stdout=stream, stderr=subprocess.STDOUT, env=env, check=False, cwd=work
+            )
             if result.returncode != 0:
                 failed.append(f"{target.name} (st exit {result.returncode})")
     finally:

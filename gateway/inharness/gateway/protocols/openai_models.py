@@ -5,7 +5,7 @@ wrong type or out of range are rejected with a 400 that names the field.
 """
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -14,6 +14,10 @@ from inharness.gateway.protocols.common import OpenModel
 from inharness.gateway.schema import MAX_INT64, MIN_INT64
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+# What the validators below enforce, stated in the OpenAPI document too (their own messages stay), so that
+# a client generator or fuzzer builds values the gateway takes.
+MAX_STOP = 4
+StopSequence = Annotated[str, Field(json_schema_extra={"minLength": 1})]
 
 
 class TextPart(OpenModel):
@@ -58,7 +62,7 @@ class ChatMessage(OpenModel):
 
 
 class FunctionDef(OpenModel):
-    name: str
+    name: str = Field(json_schema_extra={"pattern": _FUNCTION_NAME.pattern})
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -109,7 +113,9 @@ class ChatCompletionRequest(OpenModel):
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT64)
     n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
+    stop: (
+        StopSequence | Annotated[list[StopSequence], Field(json_schema_extra={"maxItems": MAX_STOP})] | None
+    ) = None
     seed: int | None = Field(default=None, ge=MIN_INT64, le=MAX_INT64)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -122,8 +128,8 @@ class ChatCompletionRequest(OpenModel):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(items) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
         if any(not s for s in items):
             raise ValueError("stop sequences must not be empty")
         return v

@@ -103,7 +103,10 @@ Tool = Annotated[
 
 class ResponsesRequest(OpenModel):
     model: str = Field(min_length=1)
-    input: str | list[InputItem] = Field(default_factory=list)
+    # An empty list is refused (no input item to answer), as the document says; omitted, the same.
+    input: str | Annotated[list[InputItem], Field(json_schema_extra={"minItems": 1})] = Field(
+        default_factory=list
+    )
     instructions: str | None = None
     previous_response_id: str | None = Field(default=None, min_length=1)
     tools: list[Tool] | None = None
