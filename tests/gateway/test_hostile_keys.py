@@ -1,7 +1,7 @@
 """Keys against a real gateway on 127.0.0.1: an attempt's key reaches its own attempt's routes and
 nothing else, the admin token only the control API, a key stops the moment its lease passes (however
-the lease was moved), and a call is recorded only when its harness can have received the answer
-while its attempt still ran (docs/gateway.md, "What is recorded")."""
+the lease was moved), and a call is recorded only when its harness can have received the answer (a cut
+stream as far as it was sent) while its attempt still ran (docs/gateway.md, "What is recorded")."""
 
 import asyncio
 import re
@@ -16,14 +16,16 @@ import orjson
 import pytest
 import uvicorn
 from conftest import ADMIN
-from gwhelpers import FIRST_TURN, admin, calls_of, new_attempt, serve
+from gwhelpers import FIRST_TURN, admin, calls_of, finish, new_attempt, serve
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from testsupport import Server, eventually, gateway_server
 
+from inharness.gateway.schema import ExportedRollout
 from inharness.procs import free_port
+from inharness.trainer.samples import build_samples
 
 CHAT = "/v1/chat/completions"
 
@@ -189,14 +191,19 @@ async def test_a_client_that_leaves_during_a_pause_gets_nothing_generated_or_rec
 
 class Gate:
     """Holds the engine's answers: `entered` is set when a request reaches it, and it answers (plain)
-    or sends its last chunk (streamed) once `open` is set."""
+    or sends its last chunk (streamed) once `open` is set; a stream sends its tokens once `tokens` is
+    set (at once, unless a test clears it). `left` is set when a stream's reader hung up on the engine
+    before its last chunk."""
 
     def __init__(self) -> None:
         self.open, self.entered = threading.Event(), threading.Event()
+        self.tokens, self.left = threading.Event(), threading.Event()
+        self.tokens.set()
 
     def close(self) -> None:
         self.open.clear()
         self.entered.clear()
+        self.left.clear()
 
 
 def gated_engine(reply: list[int], gate: Gate) -> Starlette:
@@ -210,11 +217,23 @@ def gated_engine(reply: list[int], gate: Gate) -> Starlette:
             return Response(orjson.dumps({"choices": [{**choice, "finish_reason": "stop"}]}))
 
         async def events() -> Any:
-            yield b"data: " + orjson.dumps({"choices": [{**choice, "finish_reason": None}]}) + b"\n\n"
-            await asyncio.to_thread(gate.open.wait, 60)
-            done = {**choice, "token_ids": [], "logprobs": {"token_logprobs": []}, "finish_reason": "stop"}
-            yield b"data: " + orjson.dumps({"choices": [done]}) + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            finished = False
+            try:
+                await asyncio.to_thread(gate.tokens.wait, 60)
+                yield b"data: " + orjson.dumps({"choices": [{**choice, "finish_reason": None}]}) + b"\n\n"
+                await asyncio.to_thread(gate.open.wait, 60)
+                done = {
+                    **choice,
+                    "token_ids": [],
+                    "logprobs": {"token_logprobs": []},
+                    "finish_reason": "stop",
+                }
+                yield b"data: " + orjson.dumps({"choices": [done]}) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                finished = True
+            finally:
+                if not finished:
+                    gate.left.set()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -306,20 +325,81 @@ async def test_a_call_in_flight_when_its_attempt_completes_is_answered_403_and_n
     assert dropped(gated, "attempt_ended") == before + 1
 
 
-async def test_a_stream_cut_off_by_its_client_is_not_recorded(gated: Server, gate: Gate) -> None:
-    attempt = new_attempt(gated)
-    before = dropped(gated, "client_gone")
-    gate.close()
-    body = {"model": "m", "messages": FIRST_TURN, "max_tokens": 4, "stream": True}
-    headers = {"Authorization": f"Bearer {attempt['token']}"}
+# Each protocol's streamed request and the mark of an event that carries generated text.
+STREAMS = {
+    "chat": (CHAT, {"messages": FIRST_TURN, "max_tokens": 8}, '"content":"'),
+    "responses": ("/v1/responses", {"input": FIRST_TURN, "max_output_tokens": 8}, "output_text.delta"),
+    "messages": (
+        "/v1/messages",
+        {"messages": FIRST_TURN[1:], "system": FIRST_TURN[0]["content"], "max_tokens": 8},
+        "text_delta",
+    ),
+}
+
+
+async def cut_stream(gw: Server, protocol: str, token: str, *, after: str | None) -> None:
+    """A streamed call in `protocol` whose client hangs up on the first line holding `after` (None: on
+    the first event), as a harness that gives up mid-answer (LiteLLM's repetition guard, a Ctrl-C)."""
+    path, body, _ = STREAMS[protocol]
+    headers = {"Authorization": f"Bearer {token}", "x-api-key": token, "anthropic-version": "2023-06-01"}
     async with (
-        httpx.AsyncClient(base_url=gated.url, timeout=60) as client,
-        client.stream("POST", CHAT, json=body, headers=headers) as r,
+        httpx.AsyncClient(base_url=gw.url, timeout=60) as client,
+        client.stream("POST", path, json={"model": "m", **body, "stream": True}, headers=headers) as r,
     ):
         assert r.status_code == 200
         async for line in r.aiter_lines():
-            if line.startswith("data:"):
-                break  # the first event came; the harness hangs up before the last
-    await eventually(lambda: dropped(gated, "client_gone") == before + 1, "the cut stream counted as dropped")
+            if line.startswith("data:") and (after is None or (after in line and '"content":""' not in line)):
+                return
+
+
+@pytest.mark.parametrize("protocol", list(STREAMS))
+async def test_a_stream_cut_off_after_tokens_were_sent_is_recorded_as_client_cut_and_the_engine_stops(
+    gated: Server, gate: Gate, protocol: str
+) -> None:
+    attempt = new_attempt(gated)
+    before = dropped(gated, "client_gone")
+    gate.close()
+    await cut_stream(gated, protocol, attempt["token"], after=STREAMS[protocol][2])
+    await eventually(lambda: len(calls_of(gated, attempt["id"])) == 1, "the cut call recorded")
+    await eventually(gate.left.is_set, "the gateway hung up on the engine's stream")
     gate.open.set()
+    (cut,) = calls_of(gated, attempt["id"])
+    assert cut["finish_reason"] == "client_cut"
+    assert cut["response_ids"] and cut["response_logprobs"] == [-0.5] * len(cut["response_ids"])
+    assert dropped(gated, "client_gone") == before
+
+    # The harness goes on with what it was shown: the next call extends the cut one, and the trainer
+    # learns both answers in one sample under the attempt's reward.
+    history = [*FIRST_TURN, {"role": "assistant", "content": "Five."}, {"role": "user", "content": "Go on."}]
+    r = await asyncio.to_thread(
+        httpx.post,
+        gated.url + CHAT,
+        json={"model": "m", "messages": history, "max_tokens": 4},
+        headers={"Authorization": f"Bearer {attempt['token']}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    _, nxt = calls_of(gated, attempt["id"])
+    assert (nxt["parent_call_id"], nxt["prefix_reused"]) == (cut["id"], True)
+    finish(gated, attempt["id"])
+    with admin(gated) as c:
+        lines = c.get("/api/v1/export/rollouts", params={"limit": 100_000}).text.splitlines()
+    exported = [ExportedRollout.model_validate_json(line) for line in lines if attempt["id"] in line]
+    samples, _ = build_samples(exported[-1])
+    assert [s.call_ids for s in samples] == [[cut["id"], nxt["id"]]] and samples[0].reward == 1.0
+    learnt = [t for t, m in zip(samples[0].input_ids, samples[0].loss_mask, strict=True) if m]
+    assert learnt == cut["response_ids"] + nxt["response_ids"]
+
+
+async def test_a_stream_cut_off_before_any_token_was_sent_is_dropped(gated: Server, gate: Gate) -> None:
+    attempt = new_attempt(gated)
+    before = dropped(gated, "client_gone")
+    gate.close()
+    gate.tokens.clear()
+    try:
+        await cut_stream(gated, "chat", attempt["token"], after=None)  # the role event only
+        await eventually(lambda: dropped(gated, "client_gone") == before + 1, "the cut stream counted")
+    finally:
+        gate.tokens.set()
+        gate.open.set()
     assert calls_of(gated, attempt["id"]) == []

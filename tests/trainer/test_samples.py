@@ -3,8 +3,10 @@
 from typing import Any
 
 import pytest
+import torch
 
 from inharness.gateway.schema import CallOut, ExportedRollout, RolloutOut
+from inharness.trainer.algorithms import token_advantages
 from inharness.trainer.samples import AdapterStats, build_batch, build_samples, index_rollouts
 
 
@@ -19,6 +21,7 @@ def call(
     request: str | None = None,
     choice: int = 0,
     version: int = 0,
+    finish: str = "stop",
 ) -> CallOut:
     return CallOut(
         id=cid,
@@ -33,7 +36,7 @@ def call(
         prompt_ids=prompt,
         response_ids=response,
         response_logprobs=logprobs if logprobs is not None else [-0.5] * len(response),
-        finish_reason="stop",
+        finish_reason=finish,
         parent_call_id=parent,
         prefix_reused=parent is not None and mismatch is None,
         prefix_mismatch=mismatch,
@@ -225,6 +228,19 @@ def test_build_batch_sums_stats() -> None:
     assert stats.mergeable_turns == 3  # (3 - 1) + (2 - 1)
     assert stats.merged_turn_ratio == pytest.approx(2 / 3)
     assert AdapterStats().merged_turn_ratio == 1.0
+
+
+def test_a_group_whose_one_attempt_was_cut_off_mid_stream_trains_that_attempt_against_the_other() -> None:
+    """A harness that gave up on a stream (gateway finish reason client_cut) leaves a sample like any
+    other: its group's baseline sees a reward with the tokens that earned it (issue 31)."""
+    cut = rollout([call(1, P1, [10, 10, 10], finish="client_cut")], rid="gave-up", reward=0.0)
+    samples, stats = build_batch([cut, rollout(three_turns(), rid="fine", reward=1.0)])
+    assert [s.rollout_id for s in samples] == ["gave-up", "fine"] and stats.skipped == {}
+    assert samples[0].loss_mask == [0, 0, 0, 1, 1, 1]
+    width = max(len(s.loss_mask) for s in samples)
+    mask = torch.tensor([s.loss_mask + [0] * (width - len(s.loss_mask)) for s in samples])
+    adv = token_advantages(torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), torch.tensor([0, 1]), mask)
+    assert (adv[0][mask[0].bool()] < 0).all() and (adv[1][mask[1].bool()] > 0).all()
 
 
 def test_logprobs_must_match_response_ids() -> None:

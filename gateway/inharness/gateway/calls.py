@@ -18,6 +18,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import anyio
+
 from inharness.gateway.conversation import Conversation, Message, extend_digest
 from inharness.gateway.engines import Choice, EnginePool, EngineRejected, NoEngineAvailable, Served
 from inharness.gateway.errors import APIError
@@ -94,6 +96,9 @@ class Output:
 # Why a generated call was not recorded (the `reason` of inharness_gateway_calls_dropped).
 CLIENT_GONE = "client_gone"  # the harness disconnected (timed out, left a serving pause) before its answer
 ATTEMPT_ENDED = "attempt_ended"  # the attempt completed, was released or lost its lease while the call ran
+# The finish reason of a streamed call its harness hung up on after tokens had been sent: recorded with
+# the tokens the harness was sent (docs/gateway.md, "A stream the harness cuts off").
+CLIENT_CUT = "client_cut"
 MAX_CACHED_KEYS = 65_536
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 
@@ -122,6 +127,8 @@ class CallContext:
     client_gone: Callable[[], Awaitable[bool]] = _never_gone
     recorded: bool = False
     dropped: str | None = None
+    # Set by a streaming adapter: what the harness has been sent so far, as `record`'s arguments.
+    sent_so_far: Callable[[], tuple[list[Output], list[Message], dict[str, Any]]] | None = None
 
     def engine_body(self) -> dict[str, Any]:
         s = self.sampling
@@ -173,13 +180,19 @@ class CallContext:
             raise self.service.engine_error(exc) from exc
 
     async def record(
-        self, outputs: list[Output], replies: list[Message], response_body: dict[str, Any]
+        self,
+        outputs: list[Output],
+        replies: list[Message],
+        response_body: dict[str, Any],
+        *,
+        cut: bool = False,
     ) -> None:
         """Durably record every choice; only then may the adapter answer the harness. An APIError
         instead when the call is dropped (module docstring): its harness left (499) or its attempt
-        ended (403)."""
+        ended (403). ``cut``: the record of a stream its harness hung up on (`CLIENT_CUT`), which
+        the harness's leaving does not drop."""
         svc = self.service
-        if await self.client_gone():
+        if not cut and await self.client_gone():
             raise svc.dropped(self, CLIENT_GONE)
         now = time.time()
         served = self.served or Served(self.version, "")
@@ -213,10 +226,12 @@ class CallContext:
             for o, reply in zip(outputs, replies, strict=True)
         ]
         try:
-            await svc.store.record_calls(records)
+            # Shielded: a request cancelled mid-write would leave unknown whether its call was recorded.
+            with anyio.CancelScope(shield=True):
+                await svc.store.record_calls(records)
+                self.recorded = True
         except AttemptEnded:  # checked in the commit's own transaction, whichever process ended it
             raise svc.dropped(self, ATTEMPT_ENDED) from None
-        self.recorded = True
         for rec, o in zip(records, outputs, strict=True):
             assert rec.id is not None
             svc.prompts.remember(

@@ -176,7 +176,8 @@ class PromptBuilder:
         if not full.startswith(history) or not history.startswith(before_reply):
             return None
         turn = history[len(before_reply) :]  # how the template renders the assistant turn
-        last = parent.response_ids[-1:] if parent.finish_reason != "length" else []
+        cut_short = parent.finish_reason in ("length", "client_cut")  # no stop token ends the reply
+        last = [] if cut_short else parent.response_ids[-1:]
         stop_text = self._tok.decode(last, skip_special_tokens=False) if last else ""
         if stop_text and stop_text in turn:
             closing = turn[turn.rfind(stop_text) + len(stop_text) :]

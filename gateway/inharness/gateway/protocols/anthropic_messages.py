@@ -37,6 +37,7 @@ from inharness.gateway.protocols.common import (
     attempt_key,
     harness_route,
     sse,
+    track_sent,
 )
 from inharness.gateway.store import AttemptAuth
 from inharness.gateway.toolcalls import ContentDelta, Event, ToolCall
@@ -233,11 +234,13 @@ async def _stream(ctx: CallContext, req: MessagesRequest, chunks: Chunks) -> Asy
     yield _event("message_start", message=start)
     yield _event("ping")
     s = ChoiceStream(ctx, 0, parse_tools=_parse_tools(req))
+    track_sent(ctx, [s], parse_tools=_parse_tools(req))
     blocks = _Blocks()
     try:
         async for _, ids, lps, finish in chunks:
             for event in blocks.feed(s.events(ids, lps, finish)):
                 yield event
+            s.mark_sent()
     except APIError as exc:
         yield sse(anthropic_error_body(exc.status, exc.message)[1], event="error")
         return

@@ -8,17 +8,26 @@ metrics are the same for every protocol because they happen here and in `CallSer
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import orjson
 from fastapi import Request
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response, StreamingResponse
 
-from inharness.gateway.calls import CLIENT_GONE, CallContext, CallService, Output, Sampling, TextDecoder
+from inharness.gateway.calls import (
+    CLIENT_CUT,
+    CLIENT_GONE,
+    CallContext,
+    CallService,
+    Output,
+    Sampling,
+    TextDecoder,
+)
 from inharness.gateway.conversation import Conversation, FunctionCall, Message
 from inharness.gateway.errors import APIError, ErrorFormat, error_response, protocol_route
 from inharness.gateway.store import AttemptAuth
@@ -152,19 +161,31 @@ async def answer(
 async def _closing(
     events: AsyncIterator[bytes], stack: AsyncExitStack, ctx: CallContext, protocol: str, started: float
 ) -> AsyncIterator[bytes]:
-    """The stream's events, then the call's exit; a stream cut off by its client (the transport
-    stops asking for events) before the call was recorded counts as dropped (calls.CLIENT_GONE)."""
+    """The stream's events, then the call's exit. A stream cut off by its client (the transport stops
+    asking for events) before the call was recorded is recorded as far as it was sent (`_record_cut`)."""
     metrics = ctx.service.metrics
     try:
         async for event in events:
             yield event
     except BaseException:
         if not ctx.recorded and ctx.dropped is None:
-            ctx.service.dropped(ctx, CLIENT_GONE)  # counted; its error has nobody left to read it
+            with anyio.CancelScope(shield=True):  # the request's scope is being cancelled
+                await _record_cut(ctx)
         raise
     finally:
-        await stack.aclose()
+        await stack.aclose()  # closes the engine's stream: the engine stops generating
         metrics.latency.labels(protocol).observe(time.perf_counter() - started)
+
+
+async def _record_cut(ctx: CallContext) -> None:
+    """Record a cut stream's sent tokens with finish reason `CLIENT_CUT`; one whose harness was sent no
+    token counts as dropped (`CLIENT_GONE`): there is nothing of it to learn from."""
+    sent = ctx.sent_so_far() if ctx.sent_so_far is not None else None
+    if sent is None or not any(o.token_ids for o in sent[0]):
+        ctx.service.dropped(ctx, CLIENT_GONE)  # counted; its error has nobody left to read it
+        return
+    with suppress(APIError):  # its attempt ended meanwhile: counted as dropped by `record`
+        await ctx.record(*sent, cut=True)
 
 
 def reply_message(content: str | None, calls: list[ToolCall]) -> Message:
@@ -182,6 +203,11 @@ class ChoiceStream:
         self.parser = ToolCallParser(parse_tools=parse_tools)
         self.content: list[str] = []
         self.done = False
+        self.sent = 0  # how many of output.token_ids the harness has been sent the events of
+
+    def mark_sent(self) -> None:
+        """The events of every token so far have been written to the harness's transport."""
+        self.sent = len(self.output.token_ids)
 
     def events(self, ids: list[int], lps: list[float], finish: str | None) -> list[Event]:
         self.output.token_ids += ids
@@ -213,3 +239,23 @@ def decode(ctx: CallContext, output: Output, *, parse_tools: bool) -> ChoiceStre
     s = ChoiceStream(ctx, output.index, parse_tools=parse_tools)
     s.events(output.token_ids, output.logprobs, output.finish_reason)
     return s
+
+
+def track_sent(ctx: CallContext, states: list[ChoiceStream], *, parse_tools: bool) -> None:
+    """Let a cut stream be recorded as sent: each choice's tokens up to its last `mark_sent`, decoded as
+    a plain answer, finish reason `CLIENT_CUT`, and a protocol-neutral body (the protocol's own final
+    body was never sent)."""
+
+    def sent_so_far() -> tuple[list[Output], list[Message], dict[str, Any]]:
+        outputs, replies, choices = [], [], []
+        for s in states:
+            o = Output(s.output.index, s.output.token_ids[: s.sent], s.output.logprobs[: s.sent], CLIENT_CUT)
+            d = decode(ctx, o, parse_tools=parse_tools)
+            outputs.append(o)
+            replies.append(d.reply())
+            calls = [{"name": c.name, "arguments": c.arguments} for c in d.tool_calls]
+            choices.append({"index": o.index, "content": d.text, "tool_calls": calls})
+        body = {"id": ctx.request_id, "model": ctx.requested_model, "finish_reason": CLIENT_CUT}
+        return outputs, replies, {**body, "choices": choices}
+
+    ctx.sent_so_far = sent_so_far

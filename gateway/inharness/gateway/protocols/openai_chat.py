@@ -22,6 +22,7 @@ from inharness.gateway.protocols.common import (
     decode,
     harness_route,
     sse,
+    track_sent,
 )
 from inharness.gateway.protocols.openai_models import ChatCompletionRequest
 from inharness.gateway.store import AttemptAuth
@@ -165,6 +166,7 @@ async def _stream(
         return sse({**head, "choices": [choice]})
 
     states = [ChoiceStream(ctx, i, parse_tools=parse_tools) for i in range(ctx.sampling.n)]
+    track_sent(ctx, states, parse_tools=parse_tools)
     for s in states:
         yield chunk(s.output.index, {"role": "assistant", "content": ""})
     try:
@@ -182,6 +184,7 @@ async def _stream(
                 deltas.append({"content": ""})
             for n, d in enumerate(deltas):
                 yield chunk(index, d, lp if n == 0 else None)
+            s.mark_sent()
     except APIError as exc:
         yield sse(error_body(exc.status, exc.message, code=exc.code))
         return

@@ -21,7 +21,15 @@ from starlette.responses import Response
 from inharness.gateway.calls import CallContext, Sampling
 from inharness.gateway.conversation import Conversation, FunctionCall, Message, function_tool
 from inharness.gateway.errors import APIError
-from inharness.gateway.protocols.common import CallRequest, ChoiceStream, Chunks, answer, harness_route, sse
+from inharness.gateway.protocols.common import (
+    CallRequest,
+    ChoiceStream,
+    Chunks,
+    answer,
+    harness_route,
+    sse,
+    track_sent,
+)
 from inharness.gateway.protocols.openai_responses_models import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -323,10 +331,12 @@ async def _stream(ctx: CallContext, req: ResponsesRequest, chunks: Chunks) -> As
     yield items.event("response.created", response=_response(ctx, req, "in_progress", []))
     yield items.event("response.in_progress", response=_response(ctx, req, "in_progress", []))
     s = ChoiceStream(ctx, 0, parse_tools=_parse_tools(req))
+    track_sent(ctx, [s], parse_tools=_parse_tools(req))
     try:
         async for _, ids, lps, finish in chunks:
             for event in items.feed(s.events(ids, lps, finish)):
                 yield event
+            s.mark_sent()
     except APIError as exc:
         yield _error_event(items, exc)
         return
