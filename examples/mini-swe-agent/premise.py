@@ -8,6 +8,10 @@ For each task, the teacher's recorded prompt of the answering turn (mini's promp
 temperature 1 (the spec's) with the model's own `generate`. A sample is well-formed when it is the
 teacher's turn with some word and some answer; it names the word when the word is the task's; it is
 right when the answer is. demo.py records the result in demo.json.
+
+`word_sensitivity` says whether the model reads the word at all: the next-token distribution after the
+teacher's `The word is "`, on each task's prompt, and the largest total-variation distance between two
+tasks' distributions (0: the model's choice of word does not depend on which word it was shown).
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def answering_prompts(teacher_run: Path, tokenizer: Any) -> dict[str, list[int]]
             continue
         ids = sample.input_ids[: starts[1]]
         found = OUTPUT.findall(tokenizer.decode(ids))
-        if found:
+        if found and found[-1] in family.OPPOSITES:
             prompts.setdefault(found[-1], ids)
     return prompts
 
@@ -86,7 +90,33 @@ def measure(teacher_run: Path, model_dir: Path, samples: int = 32, seed: int = 0
                 counts["right"] += turn.group(2) == family.OPPOSITES[word]
     n = counts["samples"]
     rates = {f"{k}_rate": counts[k] / n for k in ("well_formed", "named", "right")}
-    return {**counts, **rates, "names": names}
+    sensitivity = word_sensitivity(model, tokenizer, prompts)
+    return {**counts, **rates, "names": names, "word_sensitivity": sensitivity}
+
+
+NAMING = 'The word is "'  # the teacher's thought up to the word (family.teacher_script)
+
+
+def word_sensitivity(model: Any, tokenizer: Any, prompts: dict[str, list[int]]) -> dict[str, Any]:
+    """Per task's word, the model's five likeliest next tokens after `NAMING` on its answering prompt, and
+    the largest total-variation distance between two tasks' next-token distributions."""
+    import torch
+
+    suffix = tokenizer.encode(NAMING, add_special_tokens=False)
+    dists: dict[str, Any] = {}
+    with torch.no_grad():
+        for word, ids in sorted(prompts.items()):
+            dists[word] = model(torch.tensor([ids + suffix])).logits[0, -1].float().softmax(-1)
+    words = list(dists)
+    tv = max(
+        (0.5 * float((dists[a] - dists[b]).abs().sum()) for i, a in enumerate(words) for b in words[i + 1 :]),
+        default=0.0,
+    )
+    top = {
+        w: [[tokenizer.decode([int(i)]), round(float(v), 3)] for v, i in zip(*d.topk(5), strict=True)]
+        for w, d in dists.items()
+    }
+    return {"max_total_variation": tv, "top": top}
 
 
 def main(argv: list[str] | None = None) -> int:
