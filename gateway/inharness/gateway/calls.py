@@ -96,9 +96,6 @@ class Output:
 # Why a generated call was not recorded (the `reason` of inharness_gateway_calls_dropped).
 CLIENT_GONE = "client_gone"  # the harness disconnected (timed out, left a serving pause) before its answer
 ATTEMPT_ENDED = "attempt_ended"  # the attempt completed, was released or lost its lease while the call ran
-# The finish reason of a streamed call its harness hung up on after tokens had been sent: recorded with
-# the tokens the harness was sent (docs/gateway.md, "A stream the harness cuts off").
-CLIENT_CUT = "client_cut"
 MAX_CACHED_KEYS = 65_536
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS
 

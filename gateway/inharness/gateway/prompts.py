@@ -39,6 +39,11 @@ from inharness.gateway.conversation import TURNS_ROOT, Conversation
 from inharness.gateway.errors import APIError
 from inharness.gateway.store import ParentCall, Store
 
+# The finish reason of a streamed call its harness hung up on after tokens had been sent: recorded with
+# the tokens the harness was sent (docs/gateway.md, "A stream the harness cuts off"), and extended by the
+# next turn like a `length` finish.
+CLIENT_CUT = "client_cut"
+
 # Why a call does not continue an earlier call of its attempt token-exactly (see the module docstring).
 NEW_CONVERSATION = "new_conversation"  # no assistant turn: a sub-agent's or side call's first call
 SYSTEM_CHANGED = "system_changed"  # the turns extend an earlier reply; the system prompt or tools differ
@@ -176,7 +181,7 @@ class PromptBuilder:
         if not full.startswith(history) or not history.startswith(before_reply):
             return None
         turn = history[len(before_reply) :]  # how the template renders the assistant turn
-        cut_short = parent.finish_reason in ("length", "client_cut")  # no stop token ends the reply
+        cut_short = parent.finish_reason in ("length", CLIENT_CUT)  # no stop token ends the reply
         last = [] if cut_short else parent.response_ids[-1:]
         stop_text = self._tok.decode(last, skip_special_tokens=False) if last else ""
         if stop_text and stop_text in turn:

@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict
 from starlette.responses import Response, StreamingResponse
 
 from inharness.gateway.calls import (
-    CLIENT_CUT,
     CLIENT_GONE,
     CallContext,
     CallService,
@@ -30,6 +29,7 @@ from inharness.gateway.calls import (
 )
 from inharness.gateway.conversation import Conversation, FunctionCall, Message
 from inharness.gateway.errors import APIError, ErrorFormat, error_response, protocol_route
+from inharness.gateway.prompts import CLIENT_CUT
 from inharness.gateway.store import AttemptAuth
 from inharness.gateway.toolcalls import ContentDelta, Event, ToolCall, ToolCallParser
 
