@@ -51,9 +51,11 @@ HARNESS_DIR       := .cache/harnesses
 CODEX_VERSION     := 0.169.0
 CLAUDE_VERSION    := 2.1.328
 MINI_SWE_VERSION  := 2.4.6
+AIDER_VERSION     := 0.86.2
 CODEX_STAMP       := $(HARNESS_DIR)/codex/.installed-$(CODEX_VERSION)
 CLAUDE_STAMP      := $(HARNESS_DIR)/claude-code/.installed-$(CLAUDE_VERSION)
 MINI_SWE_STAMP    := $(HARNESS_DIR)/mini-swe-agent/.installed-$(MINI_SWE_VERSION)
+AIDER_STAMP       := $(HARNESS_DIR)/aider/.installed-$(AIDER_VERSION)
 
 $(CODEX_STAMP):
 	@command -v npm >/dev/null || { echo "need npm (node 20+) on PATH"; exit 1; }
@@ -74,15 +76,22 @@ $(MINI_SWE_STAMP):
 	$(HARNESS_DIR)/mini-swe-agent/bin/pip install -q mini-swe-agent==$(MINI_SWE_VERSION)
 	touch $@
 
+$(AIDER_STAMP):
+	@command -v $(PY) >/dev/null || { echo "need $(PY) on PATH"; exit 1; }
+	rm -rf $(HARNESS_DIR)/aider
+	$(PY) -m venv $(HARNESS_DIR)/aider
+	$(HARNESS_DIR)/aider/bin/pip install -q aider-chat==$(AIDER_VERSION)
+	touch $@
+
 .PHONY: harnesses
-harnesses: $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP)
+harnesses: $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP) $(AIDER_STAMP)
 
 # RL of the tiny model inside the unmodified mini-SWE-agent 2.4.6: a scripted teacher's recording,
 # `inharness sft` on it, then RL (examples/mini-swe-agent/README.md; its goal is not yet met, see there).
 demo-swe: $(STAMP) $(MINI_SWE_STAMP)
 	$(BIN)/python examples/mini-swe-agent/demo.py
 
-test: $(STAMP) $(CHECKOV_STAMP) $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP)
+test: $(STAMP) $(CHECKOV_STAMP) $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP) $(AIDER_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q --durations=25

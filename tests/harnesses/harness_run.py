@@ -42,14 +42,17 @@ def run_installed(
     *,
     harness_env: dict[str, str] | None = None,
     training: dict[str, Any] | None = None,
+    scripted: bool = True,
     timeout: float = 240,
 ) -> Run:
-    """The example's run (a tiny model with a large context, the example's engine script), or a skip
-    when its harness is not installed."""
+    """The example's run (a tiny model with a large context, the example's engine script unless not
+    ``scripted``), or a skip when its harness is not installed."""
     require(binary, stamp)
     tmp = factory.mktemp(example)
     model = init_tiny(tmp / "model", seed=0, context=CONTEXT)
-    return run_example(example, tmp, model, harness_env=harness_env, training=training, timeout=timeout)
+    return run_example(
+        example, tmp, model, harness_env=harness_env, training=training, scripted=scripted, timeout=timeout
+    )
 
 
 def check_task_done(attempt: Path) -> None:
@@ -68,6 +71,7 @@ class Call:
     parent_call_id: str | None
     id: str
     prefix_mismatch: str | None
+    finish_reason: str
     request: dict[str, Any]
     response: Any
 
@@ -96,10 +100,12 @@ def run_example(
     *,
     harness_env: dict[str, str] | None = None,
     training: dict[str, Any] | None = None,
+    scripted: bool = True,
     timeout: float = 300,
 ) -> Run:
     """`inharness run` on a copy of examples/<example>/trainingrun.yaml whose model is `model` and whose
-    harness runs in the example's folder, with the example's engine script; ``harness_env`` replaces or
+    harness runs in the example's folder, with the example's engine script (none, so the model samples,
+    when not ``scripted``); ``harness_env`` replaces or
     adds variables of the HarnessSpec's env, ``training`` fields of the TrainingRun's spec (a dataset
     path in it is taken as it is)."""
     folder = REPO / "examples" / example
@@ -117,7 +123,10 @@ def run_example(
     spec.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     out = tmp / "out"
     argv = [sys.executable, "-m", "inharness.cli", "run", spec.name, "--out", "out"]
-    run_env = {**os.environ, "TQDM_DISABLE": "1", SCRIPT_ENV: str(folder / "script.json")}
+    run_env = {**os.environ, "TQDM_DISABLE": "1"}
+    run_env.pop(SCRIPT_ENV, None)
+    if scripted:
+        run_env[SCRIPT_ENV] = str(folder / "script.json")
     proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=timeout, env=run_env)
     calls = read_calls(out / "gateway.db") if (out / "gateway.db").exists() else []
     metrics_file = out / "metrics.jsonl"
@@ -148,6 +157,7 @@ def read_calls(db: Path) -> list[Call]:
             parent_call_id=c.parent_call_id,
             id=c.id,
             prefix_mismatch=c.prefix_mismatch,
+            finish_reason=c.finish_reason,
             request=c.request or {},
             response=c.response,
         )
