@@ -182,7 +182,7 @@ class _LocalRun:
         resume: bool,
         max_consecutive_failures: int,
     ) -> None:
-        from inharness.trainer.config import load_policy
+        from inharness.trainer.build import load_policy
 
         self.file, self.specs, self.tasks, self.rd = file, specs, tasks, rd
         self.resume, self.max_consecutive_failures = resume, max_consecutive_failures

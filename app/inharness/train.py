@@ -247,7 +247,7 @@ async def _load(config: Path, out: Path, gw: "GatewayClient", sha: str) -> _Load
     of this config, so the run becomes Failed) when it cannot run."""
     from inharness.gateway.schema import ProgressReport
     from inharness.operator.specfile import SpecError, load_specs, load_tasks
-    from inharness.trainer.config import load_policy
+    from inharness.trainer.build import load_policy
     from inharness.trainer.loop import RunDir
 
     try:

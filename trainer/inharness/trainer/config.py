@@ -7,16 +7,15 @@ The values a choice may take are the names registered in `inharness.trainer.algo
 tests/trainer/test_config.py checks all four against operator/spec.py, so the vocabularies cannot
 drift apart again.
 
-`loop_config` and `load_policy` are where a spec becomes the trainer: `inharness run` (one machine)
-and `inharness train` (the cluster's trainer pod) both call them.
+A leaf: it imports no other trainer module but `algorithms`, so every module may import it. Building
+the policy a spec names is `inharness.trainer.build`'s; `inharness run` (one machine) and `inharness
+train` (the cluster's trainer pod) call `loop_config` and `build.load_policy`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from inharness.trainer.algorithms import (
@@ -29,7 +28,6 @@ from inharness.trainer.algorithms import (
 if TYPE_CHECKING:
     from inharness.operator.spec import TrainingRunSpec
     from inharness.operator.specfile import Specs
-    from inharness.trainer.loop import LoopState, Policy, RunDir
 
 KL_ESTIMATOR = "k3"
 """The KL estimate that ``kl_coef`` weighs (a name in `KL_ESTIMATORS`); the spec has no field for it."""
@@ -168,71 +166,4 @@ def loop_config(specs: Specs, *, config_sha256: str | None = None) -> LoopConfig
         max_tokens_per_sample=spec.algorithm.max_tokens_per_sample,
         update=update_config(spec),
         config_sha256=config_sha256,
-    )
-
-
-def load_policy(specs: Specs, rd: RunDir, *, resume: bool) -> tuple[Policy, LoopState, Path]:
-    """The policy (``spec.trainer.engine``: torch, or verl's workers), the loop state and the weights to
-    serve first: from the spec's model, or from the run directory's last checkpoint when resuming."""
-    import torch
-
-    from inharness.trainer.loop import LoopState
-
-    spec = specs.training_run.spec
-    model_path = specs.resolve(spec.model.path)
-    torch.manual_seed(spec.seed)
-    policy = _engine(spec, model_path, rd)
-    ckpt = rd.latest_checkpoint()
-    if not resume or ckpt is None:
-        return policy, LoopState(), model_path
-    policy.load_checkpoint(ckpt / "policy")
-    state = LoopState.from_json(json.loads((ckpt / "state.json").read_text()))
-    # vLLM servers take the restored weights from the workers (VllmServers.start), not from a directory
-    vllm = spec.trainer.engine == "verl" and spec.trainer.inference == "vllm"
-    serve_path = model_path if vllm else policy.save_pretrained(rd.weights / f"v{state.version}")
-    print(f"resuming {specs.training_run.metadata.name} at step {state.step} (model version {state.version})")
-    return policy, state, serve_path
-
-
-def _engine(spec: TrainingRunSpec, model_path: Path, rd: RunDir) -> Policy:
-    if spec.trainer.engine == "verl":
-        import torch
-
-        from inharness.trainer.verl_engine.engine import VerlTrainingEngine
-        from inharness.trainer.verl_engine.servers import VllmConfig
-
-        gpus = spec.trainer.gpus
-        vllm = None
-        if spec.trainer.inference == "vllm":
-            if not torch.cuda.is_available():
-                raise ValueError(
-                    "spec.trainer.inference is vllm, but this machine has no GPU that torch can use: "
-                    "vLLM runs on CUDA GPUs only (set inference: engine to train here)"
-                )
-            vllm = VllmConfig(**spec.trainer.vllm.model_dump())
-        elif gpus and not torch.cuda.is_available():
-            # Ray would wait for GPUs that never come: train on the CPU cores instead, and say so.
-            print(f"spec.trainer.gpus is {gpus} but this machine has no GPU: verl trains on the CPU")
-            gpus = 0
-
-        return VerlTrainingEngine(
-            model_path,
-            learning_rate=spec.algorithm.learning_rate,
-            weights_root=rd.weights,
-            update=update_config(spec),
-            dtype=spec.model.dtype,
-            seed=spec.seed,
-            kl_reference=spec.algorithm.kl_coef > 0,
-            nnodes=spec.trainer.nodes,
-            gpus_per_node=gpus,
-            vllm=vllm,
-        )
-    from inharness.trainer.torch_engine import TorchTrainingEngine
-
-    return TorchTrainingEngine(
-        model_path,
-        learning_rate=spec.algorithm.learning_rate,
-        dtype=spec.model.dtype,
-        seed=spec.seed,
-        kl_reference=spec.algorithm.kl_coef > 0,
     )

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from inharness.trainer.verl_engine.engine import VerlTrainingEngine
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -79,6 +76,15 @@ def server_urls(addresses: list[str]) -> list[str]:
     return [a if a.startswith(("http://", "https://")) else f"http://{a}" for a in addresses]
 
 
+class HybridWorkers(Protocol):
+    """What `VllmServers.start` reads of a `VerlTrainingEngine` (the engine imports this module, not
+    the other way round): its servers' settings, its verl config and its actor worker group."""
+
+    vllm: VllmConfig | None
+    config: Any
+    actor: Any
+
+
 class VllmServers:
     """The `inference.Inference` of a `VerlTrainingEngine` built with ``vllm``: its vLLM servers."""
 
@@ -89,7 +95,7 @@ class VllmServers:
         self._checkpoints = checkpoints
 
     @classmethod
-    def start(cls, policy: VerlTrainingEngine, version: int) -> VllmServers:
+    def start(cls, policy: HybridWorkers, version: int) -> VllmServers:
         """Start the servers in the policy's workers and give them its weights as `version`. Blocking
         (minutes: vLLM loads and captures its CUDA graphs): call it on a thread from async code."""
         from verl.checkpoint_engine import CheckpointEngineManager
