@@ -330,6 +330,16 @@ def _serve_one(settings: GatewaySettings, *, sock: socket.socket | None, ready: 
     uvloop.run(run())
 
 
+def _refusal(status: bytes, why: str) -> bytes:
+    """A whole HTTP/1.1 response that closes its connection, written to the transport as is: the head
+    deadline answers before uvicorn has a request to answer through."""
+    text = why.encode()
+    return (
+        b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, len(text), text)
+    )
+
+
 def _head_deadline_protocol(seconds: float, max_bytes: int) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with a deadline and a size bound on each request's head (its line
     and headers).
@@ -344,17 +354,10 @@ def _head_deadline_protocol(seconds: float, max_bytes: int) -> type[asyncio.Prot
     (`--request-read-timeout-seconds`, `errors.BoundedRequest`) and size bound (413)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    def refusal(status: bytes, why: str) -> bytes:
-        text = why.encode()
-        return (
-            b"HTTP/1.1 %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, len(text), text)
-        )
-
-    answer = refusal(
+    answer = _refusal(
         b"408 Request Timeout", f"the request's line and headers did not arrive within {seconds:g} s"
     )
-    too_large = refusal(
+    too_large = _refusal(
         b"431 Request Header Fields Too Large",
         f"the request's line and headers are over {max_bytes} bytes",
     )
