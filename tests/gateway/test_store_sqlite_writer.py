@@ -15,7 +15,7 @@ from test_store import _record as store_record
 
 from inharness.gateway import schema
 from inharness.gateway.store import CallRecord, Store
-from inharness.gateway.store.store import _CoreCalls, _insert_calls, _SqliteCalls
+from inharness.gateway.store.calls import _CoreCalls, _insert_calls, _SqliteCalls
 from inharness.gateway.store.tables import calls
 
 

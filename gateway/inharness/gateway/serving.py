@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from inharness.gateway.schema import ServingState
-from inharness.gateway.store.store import WorkerReport
+from inharness.gateway.store.base import WorkerReport
 
 # How often each process reports itself and applies the store's serving state and model versions.
 POLL_SECONDS = 0.15

@@ -104,7 +104,8 @@ class GatewaySettings(BaseModel):
     def _store_url_supported(cls, url: str) -> str:
         """A URL the store cannot open fails here, at start; the message never repeats the URL, which
         may hold a password."""
-        from inharness.gateway.store.store import StoreError, store_url
+        from inharness.gateway.store.base import StoreError
+        from inharness.gateway.store.store import store_url
 
         try:
             store_url(url)
