@@ -416,7 +416,7 @@ def bench_workers(
 
     bin_dir = postgres_bin_dir()
     if bin_dir is None:
-        raise SystemExit("--workers needs PostgreSQL 15's initdb and pg_ctl (apt-get install postgresql)")
+        raise SystemExit("--workers needs PostgreSQL 15's server (make bench-gateway installs it)")
     pg = PostgresServer.start(bin_dir)
     setups = [("sqlite", 1, f"sqlite:///{work / 'gw-workers.db'}")]
     setups += [("postgresql", n, pg.create_database()) for n in counts]
